@@ -1,0 +1,76 @@
+"""The exceptions elastic_train raises.
+
+Errors from etcd, gRPC, the OS and torch are translated into these at one
+boundary each (``raise X from exc``), so callers never catch third-party types::
+
+    ElasticTrainError
+    ├── ConfigError (also ValueError)       bad config file, override or CLI value
+    ├── EtcdError                           etcd client failures outside the rendezvous
+    │   └── EtcdUnavailableError            no endpoint answered within the deadline
+    ├── EtcdServerError                     an embedded etcd server did not start
+    ├── CheckpointError
+    │   ├── CheckpointCorruptError          manifest/checksum/format mismatch
+    │   ├── CheckpointMismatchError         saved under an incompatible config
+    │   └── CheckpointWriteError            a save failed (disk full, permission, I/O)
+    ├── SnapshotError                       shared-memory snapshot unusable
+    └── ClusterError                        the local cluster runner failed
+
+The rendezvous backend raises torch's own ``RendezvousConnectionError`` and
+``RendezvousStateError``, because torchrun's agent catches those by type.
+
+Exit codes a worker uses so that the agent, Kubernetes ``podFailurePolicy``
+and Slurm can tell failures apart:
+"""
+
+from __future__ import annotations
+
+#: A configuration error: retrying cannot help, so Kubernetes fails the Job.
+EXIT_CONFIG_ERROR = 78  # EX_CONFIG from sysexits.h
+#: The hang watchdog fired: no step completed within the timeout.
+EXIT_HANG = 75
+#: Too many consecutive checkpoint write failures.
+EXIT_CHECKPOINT_FAILURES = 74
+
+
+class ElasticTrainError(Exception):
+    """Base class of every error raised by elastic_train."""
+
+
+class ConfigError(ElasticTrainError, ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+class EtcdError(ElasticTrainError):
+    """An etcd request failed."""
+
+
+class EtcdUnavailableError(EtcdError):
+    """No etcd endpoint answered within the deadline."""
+
+
+class EtcdServerError(ElasticTrainError):
+    """An embedded etcd server could not be started or stopped."""
+
+
+class CheckpointError(ElasticTrainError):
+    """A checkpoint could not be saved or loaded."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint on disk is incomplete, truncated or fails its checksum."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint was written under a configuration this run cannot resume."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (disk full, permission denied, I/O error)."""
+
+
+class SnapshotError(ElasticTrainError):
+    """A shared-memory snapshot is missing, torn or does not fit."""
+
+
+class ClusterError(ElasticTrainError):
+    """The local cluster runner could not start or supervise its nodes."""

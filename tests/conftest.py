@@ -1,0 +1,27 @@
+"""Shared fixtures: a real etcd server per test session on free loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic_train.etcd_server import EtcdServer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = REPO_ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd 3.5 (v2 API off, as stock) for the whole session."""
+    root = tmp_path_factory.mktemp("etcd")
+    server = EtcdServer(data_dir=root / "data", name="session").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_endpoint(etcd_server: EtcdServer) -> str:
+    return etcd_server.endpoint
