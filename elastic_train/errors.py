@@ -30,6 +30,8 @@ EXIT_CONFIG_ERROR = 78  # EX_CONFIG from sysexits.h
 EXIT_HANG = 75
 #: Too many consecutive checkpoint write failures.
 EXIT_CHECKPOINT_FAILURES = 74
+#: A peer was preempted: this rank saved and leaves so its agent re-rendezvouses.
+EXIT_PEER_PREEMPTED = 73
 
 
 class ElasticTrainError(Exception):

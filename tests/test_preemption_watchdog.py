@@ -1,0 +1,144 @@
+"""Preemption handler and hang watchdog, with real processes and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_train.errors import EXIT_HANG, ConfigError
+from elastic_train.etcd_server import free_port
+from elastic_train.preemption import PreemptionHandler, StopReason, parse_signal
+from elastic_train.watchdog import Watchdog
+
+SCRIPT = str(Path(__file__).with_name("fault_procs.py"))
+
+
+def _spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _wait_for_step(proc: subprocess.Popen[str], step: int, timeout: float = 30.0) -> list[dict]:
+    """Read JSON lines until a step >= ``step`` was printed (a poll with a deadline)."""
+    records: list[dict] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("{"):
+            records.append(json.loads(line))
+            if records[-1].get("step", 0) >= step and records[-1]["kind"] == "step":
+                return records
+    raise AssertionError(f"no step {step} within {timeout}s: {records[-3:]}")
+
+
+def _records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith('{"kind"')]
+
+
+def test_parse_signal_accepts_names_and_numbers() -> None:
+    assert parse_signal("SIGUSR1") is signal.SIGUSR1
+    assert parse_signal("usr2") is signal.SIGUSR2
+    assert parse_signal(str(int(signal.SIGINT))) is signal.SIGINT
+    with pytest.raises(ConfigError, match="SIGNOPE"):
+        parse_signal("SIGNOPE")
+    with pytest.raises(ConfigError, match="SIGKILL"):
+        PreemptionHandler(signals=(signal.SIGTERM, signal.SIGKILL))
+
+
+def test_poll_without_process_group_and_check_every() -> None:
+    handler = PreemptionHandler(signals=(signal.SIGUSR2,), check_every=3).install()
+    try:
+        assert handler.poll(1) is None
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert handler.received is signal.SIGUSR2
+        assert handler.poll(2) is None  # not a check step
+        assert handler.poll(3) is StopReason.PREEMPTED
+    finally:
+        handler.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_finishes_the_current_step_then_stops(sig: signal.Signals) -> None:
+    proc = _spawn("preempt")
+    try:
+        before = _wait_for_step(proc, 3)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    records = before + _records(out)
+    stop = records[-1]
+    assert stop["kind"] == "stop" and stop["reason"] == "preempted"
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    # Every step up to the stop completed, and the stop is at most one step after the signal.
+    assert steps == list(range(steps[0], stop["step"] + 1))
+    # At most the step that was running when the signal came completes after it.
+    assert sum(1 for r in records if r.get("received")) <= 1
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_stop_step() -> None:
+    """SIGUSR1 to rank 1 only: both ranks stop after the same step."""
+    port = str(free_port())
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
+    procs = [_spawn("preempt", env={**base, "RANK": str(r)}) for r in range(2)]
+    try:
+        _wait_for_step(procs[1], 5)
+        procs[1].send_signal(signal.SIGUSR1)
+        outputs = [p.communicate(timeout=30) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    stops = [_records(out)[-1] for out, _ in outputs]
+    assert stops[0]["step"] == stops[1]["step"]
+    assert [s["reason"] for s in stops] == ["peer_preempted", "preempted"]
+
+
+def test_watchdog_timeout_is_a_multiple_of_step_time_with_a_floor() -> None:
+    dog = Watchdog(multiple=10.0, floor_s=2.0, startup_timeout_s=30.0)
+    assert dog.current_timeout() == 30.0  # before any step
+    dog.step_done(1)
+    dog._step_times.extend([0.5, 0.5, 0.7])
+    assert dog.current_timeout() == pytest.approx(5.0)
+    dog._step_times.clear()
+    dog._step_times.extend([0.01] * 5)
+    assert dog.current_timeout() == 2.0  # the floor
+    with dog.long_operation("checkpoint_save"):
+        assert dog.current_timeout() == 30.0
+    assert Watchdog(timeout_s=7.0, startup_timeout_s=1.0).current_timeout() == 7.0
+    with pytest.raises(ConfigError, match="floor_s"):
+        Watchdog(floor_s=0)
+
+
+@pytest.mark.slow
+def test_watchdog_kills_a_hung_process_with_stacks() -> None:
+    proc = _spawn("hang", "1.0")
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_HANG
+    hanging = next(r for r in _records(out) if r["kind"] == "hanging")
+    assert "watchdog_hang" in out + err
+    # faulthandler's dump names the function the main thread is stuck in.
+    assert "stuck_here" in err and "Thread" in err
+    assert hanging["step"] > 10
