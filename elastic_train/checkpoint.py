@@ -1,0 +1,409 @@
+"""``CheckpointManager``: atomic, verified, asynchronous checkpoints on disk.
+
+Layout under ``directory``::
+
+    step-000000120/            one directory per checkpoint
+        state.pt               torch.save of the host copy of the state
+        MANIFEST.json          written LAST: the completion marker
+    .tmp-step-000000140-ab12   a save in progress (never read)
+
+A save writes ``state.pt`` into a temporary directory, fsyncs it, renames the
+directory to its final name and only then writes the manifest (sha256 and size
+of each file, the config fingerprint, metadata) through its own
+write-fsync-rename. A crash at any point therefore leaves either no directory,
+a directory without a manifest, or a complete checkpoint; the first two are
+never loaded. The manifest carries a checksum of itself, so a bit flip in it is
+seen as corruption and not as, say, a different fingerprint.
+
+Loading verifies the manifest and the sha256 of the bytes *before* they reach
+``torch.load(weights_only=True)``, so a file that is not one of our checkpoints
+is never unpickled at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import elastic_train
+from elastic_train.errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ConfigError,
+)
+from elastic_train.log import get_logger
+from elastic_train.state_io import HashingWriter, config_fingerprint, copy_to_host, fsync_dir
+
+__all__ = ["CheckpointManager", "SaveStats", "config_fingerprint", "copy_to_host"]
+
+log = get_logger(__name__)
+
+MANIFEST = "MANIFEST.json"
+STATE_FILE = "state.pt"
+FORMAT = "elastic_train.checkpoint/1"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class SaveStats:
+    """Timings of one save, measured by the manager itself (seconds)."""
+
+    step: int
+    wait_seconds: float  # waiting for the previous in-flight save
+    copy_seconds: float  # the deep copy of the state to host memory
+    blocked_seconds: float = 0.0  # everything save() held the caller for
+    write_seconds: float | None = None  # serialize + fsync + rename + manifest
+    bytes: int = 0
+
+
+def _manifest_checksum(body: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _read_manifest(directory: Path, step: int) -> dict[str, Any]:
+    """The verified manifest body of a checkpoint directory."""
+    try:
+        document = json.loads((directory / MANIFEST).read_bytes())
+        body = document["body"]
+        valid = document["sha256"] == _manifest_checksum(body)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(
+            f"{directory / MANIFEST}: unreadable manifest ({exc})"
+        ) from exc
+    if not valid or body.get("format") != FORMAT or body.get("step") != step:
+        raise CheckpointCorruptError(f"{directory / MANIFEST}: manifest fails its checksum")
+    if set(body.get("files", {})) != {STATE_FILE}:
+        raise CheckpointCorruptError(f"{directory / MANIFEST}: unexpected file list")
+    return body
+
+
+def _read_verified(directory: Path, body: Mapping[str, Any]) -> bytes:
+    entry = body["files"][STATE_FILE]
+    try:
+        data = (directory / STATE_FILE).read_bytes()
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{directory / STATE_FILE}: unreadable ({exc})") from exc
+    if len(data) != entry["bytes"]:
+        raise CheckpointCorruptError(
+            f"{directory / STATE_FILE}: {len(data)} bytes but the manifest says "
+            f"{entry['bytes']} (truncated?)"
+        )
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointCorruptError(
+            f"{directory / STATE_FILE}: sha256 does not match the manifest"
+        )
+    return data
+
+
+class CheckpointManager:
+    """Saves and loads verified checkpoints; only ``is_writer`` (rank 0) writes."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int,
+        fingerprint: str,
+        async_save: bool = True,
+        is_writer: bool,
+    ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"checkpoint.keep must be an integer >= 1, got {keep!r}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.fingerprint = fingerprint
+        self.async_save = async_save
+        self.is_writer = is_writer
+        #: Saves that failed since the last one that succeeded.
+        self.consecutive_failures = 0
+        self.total_failures = 0
+        self.last_error: CheckpointWriteError | None = None
+        self.last_save_stats: SaveStats | None = None
+        #: The manifest metadata of the checkpoint the last load returned.
+        self.loaded_metadata: dict[str, Any] | None = None
+        self._inflight: threading.Thread | None = None
+        self._closed = False
+        if is_writer:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temporaries()
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, state: dict, *, blocking: bool = False) -> None:
+        """Checkpoint ``state`` as step ``step``.
+
+        Returns once the state is copied to host memory, unless ``blocking`` or
+        the manager is synchronous; then a failed write raises
+        ``CheckpointWriteError``. A failed asynchronous write is logged and
+        counted in ``consecutive_failures`` (see :meth:`raise_if_failing`).
+        Non-writer ranks return at once.
+        """
+        if self._closed:
+            raise RuntimeError("CheckpointManager.save() after close()")
+        if not self.is_writer:
+            return
+        start = time.perf_counter()
+        self.flush()
+        copied_at = time.perf_counter()
+        host_state = copy_to_host(state)
+        stats = SaveStats(step, copied_at - start, time.perf_counter() - copied_at)
+        self.last_save_stats = stats
+        metadata = self._metadata(step)
+        if blocking or not self.async_save:
+            try:
+                self._write(step, host_state, metadata, stats)
+            finally:
+                stats.blocked_seconds = time.perf_counter() - start
+            return
+        # Not a daemon: interpreter shutdown waits for it, which flushes at exit.
+        self._inflight = threading.Thread(
+            target=self._write_in_background,
+            args=(step, host_state, metadata, stats),
+            name=f"checkpoint-writer-{step}",
+        )
+        self._inflight.start()
+        stats.blocked_seconds = time.perf_counter() - start
+
+    def flush(self) -> None:
+        """Wait until the in-flight asynchronous save, if any, has finished."""
+        thread, self._inflight = self._inflight, None
+        if thread is not None:
+            thread.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def raise_if_failing(self, max_consecutive_failures: int) -> None:
+        """Raise ``CheckpointWriteError`` once that many saves in a row have failed."""
+        if self.consecutive_failures >= max_consecutive_failures:
+            raise CheckpointWriteError(
+                f"{self.consecutive_failures} checkpoint saves in a row failed "
+                f"(limit checkpoint.max_consecutive_failures={max_consecutive_failures}); "
+                f"last error: {self.last_error}"
+            )
+
+    def _metadata(self, step: int) -> dict[str, Any]:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return {
+            "step": step,
+            "world_size": torch.distributed.get_world_size() if distributed else 1,
+            "wall_time": time.time(),
+            "versions": {
+                "torch": torch.__version__,
+                "python": sys.version.split()[0],
+                "elastic_train": elastic_train.__version__,
+            },
+        }
+
+    def _write_in_background(self, *args: Any) -> None:
+        try:
+            self._write(*args)
+        except CheckpointWriteError:
+            pass  # logged and counted by _write; the loop polls consecutive_failures
+        except Exception as exc:  # a bug must not vanish silently in a thread
+            log.exception("checkpoint_writer_crashed", step=args[0])
+            self._count_failure(args[0], exc)
+
+    def _write(self, step: int, state: Any, metadata: dict, stats: SaveStats) -> None:
+        started = time.perf_counter()
+        temporary = self.directory / f".tmp-step-{step:09d}-{uuid.uuid4().hex[:8]}"
+        try:
+            files = self._write_state(temporary, state)
+            final = self._step_dir(step)
+            replaced = self._move_aside(final)
+            os.rename(temporary, final)
+            fsync_dir(self.directory)
+            self._write_manifest(final, step, files, metadata)
+        except (OSError, RuntimeError) as exc:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise self._count_failure(step, exc) from exc
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        stats.write_seconds = time.perf_counter() - started
+        stats.bytes = files[STATE_FILE]["bytes"]
+        self.consecutive_failures = 0
+        log.info(
+            "checkpoint_saved",
+            step=step,
+            path=str(final),
+            bytes=stats.bytes,
+            seconds=round(stats.write_seconds, 4),
+            blocked_seconds=round(stats.copy_seconds, 4),
+        )
+        self._prune(step)
+
+    def _write_state(self, temporary: Path, state: Any) -> dict[str, dict[str, Any]]:
+        temporary.mkdir()
+        with open(temporary / STATE_FILE, "wb") as file:
+            writer = HashingWriter(file)
+            try:
+                torch.save(state, writer)
+            except RuntimeError as exc:
+                raise (writer.error or exc) from exc
+            file.flush()
+            os.fsync(file.fileno())
+        fsync_dir(temporary)
+        return {STATE_FILE: {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}}
+
+    def _write_manifest(self, final: Path, step: int, files: dict, metadata: dict) -> None:
+        body = {
+            "format": FORMAT,
+            "step": step,
+            "fingerprint": self.fingerprint,
+            "files": files,
+            "metadata": metadata,
+        }
+        document = {"body": body, "sha256": _manifest_checksum(body)}
+        partial = final / f".{MANIFEST}.tmp"
+        with open(partial, "w") as file:
+            json.dump(document, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.rename(partial, final / MANIFEST)
+        fsync_dir(final)
+
+    def _count_failure(self, step: int, exc: BaseException) -> CheckpointWriteError:
+        self.consecutive_failures += 1
+        self.total_failures += 1
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        error = CheckpointWriteError(
+            f"saving checkpoint step {step} under {self.directory} failed: {reason}; "
+            "the previous checkpoints are untouched"
+        )
+        self.last_error = error
+        log.error(
+            "checkpoint_write_failed",
+            step=step,
+            error=reason,
+            errno=getattr(exc, "errno", None),
+            consecutive_failures=self.consecutive_failures,
+        )
+        return error
+
+    def _prune(self, saved_step: int) -> None:
+        """Keep the newest ``keep`` complete checkpoints up to the one just written.
+
+        Newer directories (from a timeline abandoned by a fallback) are left
+        alone: they are replaced when training reaches their step again.
+        """
+        older = [(s, p) for s, p in self._step_dirs() if s <= saved_step]
+        complete = [(s, p) for s, p in older if (p / MANIFEST).exists()]
+        doomed = complete[self.keep :] + [(s, p) for s, p in older if not (p / MANIFEST).exists()]
+        for step, path in doomed:
+            try:
+                self._delete(path)
+            except OSError as exc:
+                log.warning("checkpoint_prune_failed", step=step, path=str(path), error=str(exc))
+
+    def _move_aside(self, final: Path) -> Path | None:
+        """Rename an older copy of this step away; it is deleted once the new one is complete."""
+        if not final.exists():
+            return None
+        aside = self.directory / f".tmp-step-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, aside)
+        return aside
+
+    def _delete(self, path: Path) -> None:
+        # Manifest first: an interrupted delete must not leave something complete-looking.
+        (path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(path)
+
+    def _remove_stale_temporaries(self) -> None:
+        for path in self.directory.glob(".tmp-step-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ----------------------------------------------------------------- loading
+
+    def _step_dir(self, step: int) -> Path:
+        return self.directory / f"step-{step:09d}"
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        """Checkpoint directories, newest step first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+        return sorted(found, reverse=True)
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint whose manifest verifies and whose file sizes match.
+
+        An in-flight save is not included; ``flush()`` first for that. The
+        sha256 of the data is checked by the load itself.
+        """
+        for step, path in self._step_dirs():
+            try:
+                body = _read_manifest(path, step)
+                if (path / STATE_FILE).stat().st_size == body["files"][STATE_FILE]["bytes"]:
+                    return step
+            except (CheckpointCorruptError, OSError):
+                continue
+        return None
+
+    def load_latest(self, *, map_location: str | torch.device) -> tuple[int, dict] | None:
+        """``(step, state)`` of the newest good checkpoint, or None if there is none.
+
+        Incomplete or corrupt checkpoints are skipped with a ``checkpoint_fallback``
+        warning. A checkpoint from another config raises ``CheckpointMismatchError``.
+        """
+        for step, path in self._step_dirs():
+            if not (path / MANIFEST).exists():
+                log.warning("checkpoint_fallback", step=step, path=str(path), reason="incomplete")
+                continue
+            try:
+                return step, self.load(step, map_location=map_location)
+            except CheckpointCorruptError as exc:
+                log.warning("checkpoint_fallback", step=step, path=str(path), reason=str(exc))
+        return None
+
+    def load(self, step: int, *, map_location: str | torch.device) -> dict:
+        """The state of checkpoint ``step``, verified before anything is unpickled."""
+        path = self._step_dir(step)
+        body = _read_manifest(path, step)
+        if body["fingerprint"] != self.fingerprint:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} was written by a run with config fingerprint "
+                f"{body['fingerprint']!r}, but this run's fingerprint is {self.fingerprint!r}: "
+                "a field that must not change across a resume differs; use a new "
+                "checkpoint directory or restore the original config"
+            )
+        data = _read_verified(path, body)
+        try:
+            state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ...
+            raise CheckpointCorruptError(
+                f"{path / STATE_FILE}: refused by torch.load ({exc})"
+            ) from exc
+        self.loaded_metadata = body["metadata"]
+        log.info(
+            "checkpoint_loaded",
+            step=step,
+            path=str(path),
+            saved_world_size=body["metadata"]["world_size"],
+        )
+        return state
