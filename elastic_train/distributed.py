@@ -1,0 +1,134 @@
+"""Process-group setup and teardown from the torchrun environment.
+
+torchrun describes each worker with environment variables; outside torchrun
+(``python elastic_train/main.py``) none are set and the worker runs as a
+single-process group on an in-memory store, so the training code has one path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.config import ElasticConfig
+from elastic_train.errors import ConfigError
+from elastic_train.log import get_logger
+
+log = get_logger(__name__)
+
+#: The node name the runner and the manifests set (docs/DESIGN.md, audit protocol).
+NODE_ENV = "ELASTIC_TRAIN_NODE"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What torchrun tells a worker about itself."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    restart_count: int = 0
+    run_id: str = "standalone"
+    node: str = "local"
+    #: False when started without torchrun (or another launcher setting WORLD_SIZE).
+    launched: bool = False
+
+
+def read_worker_env(environ: Mapping[str, str] = os.environ) -> WorkerEnv:
+    """Read ``RANK``, ``WORLD_SIZE``, ... ; a malformed value raises ConfigError naming it."""
+
+    def integer(name: str, default: int) -> int:
+        raw = environ.get(name)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+    env = WorkerEnv(
+        rank=integer("RANK", 0),
+        local_rank=integer("LOCAL_RANK", 0),
+        world_size=integer("WORLD_SIZE", 1),
+        local_world_size=integer("LOCAL_WORLD_SIZE", 1),
+        restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0),
+        run_id=environ.get("TORCHELASTIC_RUN_ID", "standalone"),
+        node=environ.get(NODE_ENV) or socket.gethostname(),
+        launched="WORLD_SIZE" in environ,
+    )
+    if not 0 <= env.rank < env.world_size:
+        raise ConfigError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
+    return env
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The initialized process group as the trainer sees it."""
+
+    env: WorkerEnv
+    backend: str
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def choose_backend(requested: str, *, cuda_available: bool) -> str:
+    if requested == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise ConfigError("elastic.backend = 'nccl' needs CUDA; use 'gloo' or 'auto'")
+    return requested
+
+
+def init_distributed(env: WorkerEnv, cfg: ElasticConfig) -> DistContext:
+    """Join the process group; each NCCL worker is bound to GPU ``LOCAL_RANK``."""
+    backend = choose_backend(cfg.backend, cuda_available=torch.cuda.is_available())
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=cfg.pg_timeout_seconds)
+    if env.launched:
+        # MASTER_ADDR/MASTER_PORT come from torchrun's rendezvous (env://).
+        dist.init_process_group(
+            backend, timeout=timeout, device_id=device if backend == "nccl" else None
+        )
+    else:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    log.info(
+        "process_group_ready", backend=backend, device=str(device),
+        world_size=env.world_size, timeout_s=cfg.pg_timeout_seconds,
+    )  # fmt: skip
+    return DistContext(env=env, backend=backend, device=device)
+
+
+def broadcast_attempt_id(ctx: DistContext) -> str:
+    """A fresh id for this (re)start, the same on every rank (rank 0 draws it)."""
+    holder = [uuid.uuid4().hex[:12] if ctx.is_main else None]
+    dist.broadcast_object_list(holder, src=0, device=ctx.device)
+    return str(holder[0])
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

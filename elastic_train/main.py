@@ -1,0 +1,81 @@
+"""The torchrun entry script: parse, set up logging, build, train, tear down.
+
+    torchrun --nnodes 1:3 --nproc-per-node 1 --rdzv-backend etcd \\
+        --rdzv-endpoint HOST:2379 --rdzv-id job1 elastic_train/main.py --config job.toml
+
+Without torchrun (``python elastic_train/main.py``) it trains as one process.
+Exit codes: 0 when training finished, ``errors.EXIT_CONFIG_ERROR`` for a bad
+configuration (retrying cannot help), 1 for anything else (torchrun restarts).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    # Run by path, Python puts elastic_train/ itself first on sys.path, where
+    # our datasets.py or config.py would shadow top-level modules of the same
+    # name. Put the directory that contains the package there instead.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from elastic_train.config import USAGE, CliArgs, JobConfig, parse_cli, to_toml
+from elastic_train.distributed import WorkerEnv, init_distributed, read_worker_env, teardown
+from elastic_train.errors import EXIT_CONFIG_ERROR, CheckpointMismatchError, ConfigError
+from elastic_train.log import bind_context, configure_logging, get_logger
+from elastic_train.train import Trainer, build, close, train
+
+log = get_logger("elastic_train.main")
+
+
+def _setup_logging(cfg: JobConfig, env: WorkerEnv) -> None:
+    fmt = cfg.logging.format
+    configure_logging(level=cfg.logging.level, json=None if fmt == "auto" else fmt == "json")
+    bind_context(
+        run_id=env.run_id, node=env.node, rank=env.rank, world_size=env.world_size,
+        restart=env.restart_count,
+    )  # fmt: skip
+
+
+def run(cfg: JobConfig, env: WorkerEnv) -> int:
+    """Train under ``cfg`` as the worker ``env`` describes; returns the exit code."""
+    _setup_logging(cfg, env)
+    ctx = init_distributed(env, cfg.elastic)
+    trainer: Trainer | None = None
+    try:
+        trainer = build(cfg, ctx)
+        train(trainer)
+    except (ConfigError, CheckpointMismatchError) as exc:
+        log.error("config_error", error=str(exc))
+        return EXIT_CONFIG_ERROR
+    finally:
+        # Also on failure: an in-flight checkpoint holds a consistent earlier step.
+        if trainer is not None:
+            close(trainer)
+        teardown()
+    return 0
+
+
+@record  # writes torchrun's error file, so the agent reports this worker's traceback
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args: CliArgs = parse_cli(sys.argv[1:] if argv is None else argv)
+        env = read_worker_env()
+    except ConfigError as exc:
+        print(f"elastic_train: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if args.help:
+        print(USAGE)
+        return 0
+    if args.print_config:
+        print(to_toml(args.config), end="")
+        return 0
+    return run(args.config, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

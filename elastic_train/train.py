@@ -1,0 +1,407 @@
+"""Build the trainer from a config, then run the loop.
+
+:func:`build` does all the setup (data, model, optimizer, schedule, sampler,
+checkpoints, restore, DDP); :func:`train` is the loop and reads top to bottom.
+
+World-size invariance: every step takes the next ``global_batch_size``
+samples of the epoch's permutation, whatever the world size. Each rank sums the
+per-sample losses of its shard and scales the sum by ``world_size / B`` (B: the
+samples in this global batch, short at the end of an epoch). DDP averages the
+gradients over ranks, i.e. divides their sum by ``world_size``, so the gradient
+every rank applies is ``sum of all per-sample gradients / B``: the mean over
+the global batch, the same as one worker computes, up to summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+
+from elastic_train.audit import AuditWriter, write_result
+from elastic_train.checkpoint import CheckpointManager
+from elastic_train.config import JobConfig, OptimizerConfig, ScheduleConfig, TrainingConfig
+from elastic_train.config import fingerprint as config_fingerprint
+from elastic_train.datasets import DataBundle, load_batch
+from elastic_train.distributed import DistContext, broadcast_attempt_id
+from elastic_train.errors import ConfigError
+from elastic_train.log import get_logger
+from elastic_train.registry import DATASETS, LOSSES, MODELS
+from elastic_train.rng import capture_rng_state, restore_rng_state
+from elastic_train.sampler import ElasticSampler
+
+log = get_logger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: Written by rank 0 after every step; the step count that a crash loses is
+#: (this) - (the restored checkpoint's step).
+PROGRESS_FILE = "progress.json"
+#: Evaluation chunk for the final loss: fixed, so the number is the same in every run.
+_EVAL_CHUNK = 64
+
+
+@dataclass
+class Trainer:
+    """Everything the loop touches. ``model`` is the unwrapped module that checkpoints see."""
+
+    cfg: JobConfig
+    ctx: DistContext
+    data: DataBundle
+    model: nn.Module
+    loss_fn: LossFn
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    sampler: ElasticSampler
+    checkpoint: CheckpointManager | None
+    audit: AuditWriter | None
+    attempt: str
+    total_steps: int
+    step: int = 0
+    last_saved_step: int = 0
+    last_save_time: float = field(default_factory=time.monotonic)
+    #: Set by build() after the restore.
+    ddp: DistributedDataParallel = field(init=False)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    epoch: int
+    loss: float  # mean per-sample loss over the global batch
+    samples: int  # size of the global batch
+    seconds: float
+    lr: float
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    final_step: int
+    epoch: int
+    final_loss: float | None  # measured on rank 0 only
+
+
+# -- setup ----------------------------------------------------------------------
+
+
+def global_batch_size(cfg: TrainingConfig, world_size: int) -> int:
+    """Samples per optimizer step at this world size."""
+    if cfg.batch_mode == "per_worker":
+        return cfg.worker_batch_size * world_size
+    if world_size > cfg.global_batch_size:
+        raise ConfigError(
+            f"training.global_batch_size = {cfg.global_batch_size} is smaller than the world "
+            f"size {world_size}: every worker needs at least one sample per step; raise it "
+            "or run fewer workers"
+        )
+    return cfg.global_batch_size
+
+
+def total_steps(cfg: TrainingConfig, *, dataset_len: int, batch_size: int) -> int:
+    return cfg.steps if cfg.steps > 0 else cfg.epochs * math.ceil(dataset_len / batch_size)
+
+
+def lr_multiplier(cfg: ScheduleConfig, step: int, *, total: int) -> float:
+    """Schedule factor for the LR of optimizer step ``step + 1`` (linear warmup first)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.name == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    if cfg.name == "cosine":
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1 - cfg.min_lr_ratio) * progress
+
+
+def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )  # fmt: skip
+
+
+def build_scheduler(
+    cfg: JobConfig, optimizer: torch.optim.Optimizer, *, total: int, world_size: int
+) -> LambdaLR:
+    # The classic per-worker mode scales the LR linearly with the world size. The
+    # factor lives in the lambda, not in the saved state, so it follows resizes.
+    scale = world_size if cfg.training.batch_mode == "per_worker" else 1
+    return LambdaLR(optimizer, lambda step: scale * lr_multiplier(cfg.schedule, step, total=total))
+
+
+def wrap_model(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
+    """The DDP wrapper; the place to register communication hooks."""
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
+    """Set up every part of the trainer and restore the latest checkpoint."""
+    data = DATASETS.resolve(cfg.data.name)(cfg.data)
+    batch = global_batch_size(cfg.training, ctx.world_size)
+    torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank
+    random.seed(cfg.training.seed)
+    model = MODELS.resolve(cfg.model.name)(cfg.model, data.info).to(ctx.device)
+    optimizer = build_optimizer(cfg.optimizer, model)
+    steps = total_steps(cfg.training, dataset_len=len(data), batch_size=batch)
+    checkpoint = None
+    if cfg.checkpoint.dir:
+        checkpoint = CheckpointManager(
+            cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=config_fingerprint(cfg),
+            async_save=cfg.checkpoint.async_save, is_writer=ctx.is_main,
+        )  # fmt: skip
+    attempt = broadcast_attempt_id(ctx)
+    audit = None
+    if cfg.logging.audit_dir:
+        audit = AuditWriter(
+            cfg.logging.audit_dir, attempt=attempt, rank=ctx.rank,
+            world_size=ctx.world_size, node=ctx.env.node,
+        )  # fmt: skip
+    trainer = Trainer(
+        cfg=cfg, ctx=ctx, data=data, model=model,
+        loss_fn=LOSSES.resolve(cfg.model.loss), optimizer=optimizer,
+        scheduler=build_scheduler(cfg, optimizer, total=steps, world_size=ctx.world_size),
+        sampler=ElasticSampler(len(data), global_batch_size=batch, seed=cfg.training.seed),
+        checkpoint=checkpoint, audit=audit, attempt=attempt, total_steps=steps,
+    )  # fmt: skip
+    restore(trainer)
+    # Wrapped after the restore: DDP's constructor broadcasts rank 0's weights.
+    trainer.ddp = wrap_model(model, ctx)
+    return trainer
+
+
+# -- state ----------------------------------------------------------------------
+
+
+def state_dict(t: Trainer) -> dict[str, Any]:
+    """Everything a resume at any world size needs; plain types only (weights_only)."""
+    return {
+        "model": t.model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "sampler": t.sampler.state_dict(),
+        "step": t.step,
+        "epoch": t.sampler.epoch,
+        "rng": capture_rng_state(),
+    }
+
+
+def load_state_dict(t: Trainer, state: dict[str, Any]) -> None:
+    t.model.load_state_dict(state["model"])
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    t.sampler.load_state_dict(state["sampler"])
+    t.step = int(state["step"])
+    restore_rng_state(state["rng"])
+    # The optimizer came back with the LR of the old world size (per_worker mode).
+    for group, lr_lambda, base in zip(
+        t.optimizer.param_groups, t.scheduler.lr_lambdas, t.scheduler.base_lrs, strict=True
+    ):
+        group["lr"] = base * lr_lambda(t.scheduler.last_epoch)
+
+
+def restore(t: Trainer) -> None:
+    """Load the newest good checkpoint, if any, and record the (re)start."""
+    loaded = None
+    if t.checkpoint is not None:
+        loaded = t.checkpoint.load_latest(map_location=t.ctx.device)
+    saved_world_size = None
+    if loaded is not None:
+        load_state_dict(t, loaded[1])
+        saved_world_size = (t.checkpoint.loaded_metadata or {}).get("world_size")  # type: ignore[union-attr]
+    t.last_saved_step = t.step
+    reached = _read_progress(t.cfg.checkpoint.dir)
+    log.info(
+        "resumed", restored_step=t.step, source="disk" if loaded else "none",
+        lost_steps=max(0, reached - t.step), world_size=t.ctx.world_size,
+        saved_world_size=saved_world_size, epoch=t.sampler.epoch,
+        samples_consumed=t.sampler.samples_consumed, attempt=t.attempt,
+    )  # fmt: skip
+    if t.audit is not None:
+        t.audit.resume(restored_step=t.step, source="disk" if loaded else "none")
+
+
+def _read_progress(directory: str) -> int:
+    try:
+        return int(json.loads((Path(directory) / PROGRESS_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _write_progress(t: Trainer) -> None:
+    if t.checkpoint is None or not t.ctx.is_main:
+        return
+    path = Path(t.cfg.checkpoint.dir) / PROGRESS_FILE
+    tmp = path.with_name(f".{PROGRESS_FILE}.tmp")
+    tmp.write_text(json.dumps({"step": t.step, "attempt": t.attempt}))
+    os.replace(tmp, path)
+
+
+def save_checkpoint(t: Trainer, *, reason: str, blocking: bool = False) -> None:
+    """Checkpoint the current step (rank 0 writes); a no-op if it is already saved."""
+    if t.checkpoint is None or t.step == t.last_saved_step:
+        return
+    if t.checkpoint.is_writer:
+        t.checkpoint.save(t.step, state_dict(t), blocking=blocking)
+        log.debug("checkpoint_requested", step=t.step, reason=reason)
+    t.last_saved_step = t.step
+    t.last_save_time = time.monotonic()
+
+
+def checkpoint_due(t: Trainer) -> bool:
+    cfg = t.cfg.checkpoint
+    by_steps = cfg.interval_steps > 0 and t.step % cfg.interval_steps == 0
+    elapsed = time.monotonic() - t.last_save_time
+    return by_steps or (cfg.interval_seconds > 0 and elapsed >= cfg.interval_seconds)
+
+
+# -- one step -------------------------------------------------------------------
+
+
+def micro_batches(shard: list[int], micro_batch_size: int) -> list[list[int]]:
+    size = micro_batch_size or max(1, len(shard))
+    return [shard[i : i + size] for i in range(0, len(shard), size)]
+
+
+def forward_backward(t: Trainer, indices: list[int], *, scale: float) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns the detached sum of its losses."""
+    inputs, targets = (x.to(t.ctx.device) for x in load_batch(t.data.dataset, indices))
+    losses = t.loss_fn(t.ddp(inputs), targets)
+    (losses.sum() * scale).backward()
+    return losses.detach().sum()
+
+
+def optimizer_step(t: Trainer) -> None:
+    if t.cfg.optimizer.grad_clip > 0:
+        # Gradients are already identical on every rank, so is their norm.
+        nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.optimizer.grad_clip)
+    t.optimizer.step()
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+
+
+def train_step(t: Trainer, batch: list[int], shard: list[int]) -> float:
+    """One world-size-invariant optimizer step; returns the global batch's mean loss."""
+    scale = t.ctx.world_size / len(batch)
+    chunks, weight = micro_batches(shard, t.cfg.training.micro_batch_size), 1.0
+    if not chunks:
+        # An empty shard (a short last batch on many ranks) must still join
+        # DDP's all-reduce: a real sample with weight zero adds a zero gradient.
+        chunks, weight = [batch[:1]], 0.0
+    loss_sum = torch.zeros((), device=t.ctx.device)
+    for i, chunk in enumerate(chunks):
+        # Gradients are all-reduced once per step, in the last backward.
+        sync = i == len(chunks) - 1
+        with contextlib.nullcontext() if sync else t.ddp.no_sync():
+            loss_sum += weight * forward_backward(t, chunk, scale=weight * scale)
+    optimizer_step(t)
+    dist.all_reduce(loss_sum)
+    return loss_sum.item() / len(batch)
+
+
+# -- the loop -------------------------------------------------------------------
+
+
+def current_lr(t: Trainer) -> float:
+    return float(t.optimizer.param_groups[0]["lr"])
+
+
+def finished(t: Trainer) -> bool:
+    if t.cfg.training.steps > 0:
+        return t.step >= t.cfg.training.steps
+    return t.sampler.epoch >= t.cfg.training.epochs
+
+
+def report_step(t: Trainer, stats: StepStats, shard: list[int]) -> None:
+    """After each step: audit record, progress marker, periodic log line."""
+    if t.audit is not None:
+        t.audit.step(step=stats.step, epoch=stats.epoch, indices=shard, loss=stats.loss)
+    _write_progress(t)
+    if stats.step % t.cfg.logging.log_every_steps == 0 or stats.step == 1:
+        log.info(
+            "step", step=stats.step, epoch=stats.epoch, loss=round(stats.loss, 5),
+            lr=stats.lr, world_size=t.ctx.world_size, step_seconds=round(stats.seconds, 4),
+            samples_per_second=round(stats.samples / stats.seconds, 1),
+        )  # fmt: skip
+
+
+def train(t: Trainer) -> TrainResult:
+    """Run steps until the configured steps or epochs are done; checkpoint on the way."""
+    log.info(
+        "training_started", step=t.step, total_steps=t.total_steps,
+        global_batch_size=t.sampler.global_batch_size, world_size=t.ctx.world_size,
+    )  # fmt: skip
+    t.ddp.train()
+    while not finished(t):
+        started, epoch, lr = time.perf_counter(), t.sampler.epoch, current_lr(t)
+        batch = t.sampler.next_global_batch()
+        shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
+        loss = train_step(t, batch, shard)
+        t.step += 1
+        stats = StepStats(
+            step=t.step, epoch=epoch, loss=loss, samples=len(batch),
+            seconds=time.perf_counter() - started, lr=lr,
+        )  # fmt: skip
+        report_step(t, stats, shard)
+        if t.sampler.epoch_finished():
+            t.sampler.start_next_epoch()
+            save_checkpoint(t, reason="epoch_end")
+        elif checkpoint_due(t):
+            save_checkpoint(t, reason="interval")
+    save_checkpoint(t, reason="final", blocking=True)
+    return finish(t)
+
+
+def final_loss(t: Trainer) -> float:
+    """Mean loss of the unwrapped model over the first samples; the same in every run."""
+    count = min(t.cfg.training.final_loss_samples, len(t.data))
+    t.model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, count, _EVAL_CHUNK):
+            indices = list(range(start, min(start + _EVAL_CHUNK, count)))
+            inputs, targets = (x.to(t.ctx.device) for x in load_batch(t.data.dataset, indices))
+            total += t.loss_fn(t.model(inputs).float(), targets).sum().item()
+    t.model.train()
+    return total / count
+
+
+def finish(t: Trainer) -> TrainResult:
+    """Rank 0 measures the final loss and writes the result files the runner reads."""
+    if not t.ctx.is_main:
+        return TrainResult(final_step=t.step, epoch=t.sampler.epoch, final_loss=None)
+    loss = final_loss(t)
+    result = TrainResult(final_step=t.step, epoch=t.sampler.epoch, final_loss=loss)
+    log.info("training_finished", final_step=t.step, final_loss=round(loss, 6))
+    if t.cfg.logging.audit_dir:
+        summary = {
+            "final_step": t.step, "final_loss": loss, "epoch": t.sampler.epoch,
+            "world_size": t.ctx.world_size, "attempt": t.attempt,
+        }  # fmt: skip
+        write_result(t.cfg.logging.audit_dir, result=summary, params=t.model.state_dict())
+    return result
+
+
+def close(t: Trainer) -> None:
+    """Flush an in-flight checkpoint and close files; safe after a failed step."""
+    if t.checkpoint is not None:
+        t.checkpoint.close()
+    if t.audit is not None:
+        t.audit.close()
