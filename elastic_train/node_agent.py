@@ -1,14 +1,232 @@
 """Code that runs inside the long-lived torchrun agent process.
 
-The rendezvous handler creator calls :func:`wrap_handler` once per agent, which
-is where node-level services (the metrics endpoint) start.
+The rendezvous handler creator calls :func:`wrap_handler` once per agent. It
+starts the node's metrics endpoint and times every rendezvous round.
+
+The endpoint lives in the agent, not in the workers, because torchrun restarts
+every worker on each membership change: a per-worker server would flap and its
+counters would reset. The agent creates a fresh directory per run, switches
+prometheus-client to multiprocess mode over it and exports
+``PROMETHEUS_MULTIPROC_DIR`` so that the workers it spawns afterwards (torchrun
+copies the agent's ``os.environ`` into each worker) write their metrics there.
+One HTTP server serves the merged view (see ``docs/observability.md``).
+
+Settings, each an ``--rdzv-conf`` key, else an environment variable, else the
+default (the key wins, so a command line says what it does):
+
+=================  ===============================  =================================
+rdzv-conf key      environment variable             default
+=================  ===============================  =================================
+``metrics_port``   ``ELASTIC_TRAIN_METRICS_PORT``   ``9402``; ``0`` picks a free port;
+                                                    ``off`` serves nothing
+``metrics_host``   ``ELASTIC_TRAIN_METRICS_HOST``   ``0.0.0.0`` (all interfaces)
+``metrics_dir``    ``ELASTIC_TRAIN_METRICS_DIR``    the system temporary directory
+=================  ===============================  =================================
+
+``metrics_dir`` is the *parent* of the per-run directory; only the per-run
+directory, which this process made, is ever deleted.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import psutil
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from elastic_train import metrics
+from elastic_train.errors import ConfigError
+from elastic_train.log import bind_context, get_logger
+
+__all__ = ["MetricsEndpoint", "MetricsEndpointConfig", "wrap_handler"]
+
+log = get_logger(__name__)
+
+DEFAULT_PORT = 9402
+_LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
+
+
+@dataclass(frozen=True)
+class MetricsEndpointConfig:
+    """Where the node's metrics endpoint listens; ``port=None`` turns it off."""
+
+    port: int | None = DEFAULT_PORT
+    host: str = "0.0.0.0"
+    parent_dir: Path | None = None
+
+    @classmethod
+    def from_params(
+        cls, params: Any, environ: Mapping[str, str] = os.environ
+    ) -> MetricsEndpointConfig:
+        """From a ``RendezvousParameters``' config (rdzv-conf), falling back to ``environ``."""
+
+        def setting(key: str) -> str | None:
+            value = params.config.get(key)
+            return str(value) if value is not None else environ.get(f"ELASTIC_TRAIN_{key.upper()}")
+
+        port, host, parent = (
+            setting("metrics_port"),
+            setting("metrics_host"),
+            setting("metrics_dir"),
+        )
+        return cls(
+            port=DEFAULT_PORT if port is None else _parse_port(port),
+            host=host or cls.host,
+            parent_dir=Path(parent) if parent else None,
+        )
+
+
+def _parse_port(text: str) -> int | None:
+    if text.strip().lower() == "off":
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(
+            f"metrics_port={text!r} is invalid: expected an integer 0-65535 "
+            "(0 picks a free port) or 'off'"
+        )
+    return port
+
+
+class _NodeCollector:
+    """Merges the metric files of every process of this node that ever wrote one."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+
+    def collect(self) -> Iterator[Metric]:
+        # 'live*' gauges must forget dead workers; the agent is the one process
+        # that outlives them, so it does the bookkeeping, just before reading.
+        for path in self._directory.iterdir():
+            match = _LIVE_GAUGE_FILE.match(path.name)
+            if match and not psutil.pid_exists(int(match.group(1))):
+                mark_process_dead(int(match.group(1)), str(self._directory))
+        yield from MultiProcessCollector(None, path=str(self._directory)).collect()
+
+
+class MetricsEndpoint:
+    """The node's scrape endpoint: a fresh multiprocess directory and an HTTP server."""
+
+    def __init__(self, *, host: str, port: int, parent_dir: Path | None, run_id: str) -> None:
+        safe_run_id = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64]
+        self.directory = Path(
+            tempfile.mkdtemp(prefix=f"elastic-train-metrics-{safe_run_id}-", dir=parent_dir)
+        )
+        metrics.enable_multiprocess(self.directory)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_NodeCollector(self.directory))
+        ProcessCollector(registry=registry)  # the agent's own process_* metrics
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise ConfigError(
+                f"metrics_port={port} on metrics_host={host!r} cannot be "
+                f"served ({exc.strerror or exc}); choose another metrics_port, 0 for a free "
+                "one, or 'off'"
+            ) from exc
+        self.host = host
+        self.port: int = self._server.server_port
+        atexit.register(self.close)
+        log.info(
+            "metrics_endpoint_started",
+            host=self.host,
+            port=self.port,
+            directory=str(self.directory),
+        )
+
+    def close(self) -> None:
+        """Stop serving and delete the directory this endpoint created (and only that)."""
+        self._server.shutdown()
+        self._server.server_close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        atexit.unregister(self.close)
+
+
+_endpoint: MetricsEndpoint | None = None
+
+
+def _endpoint_once(config: MetricsEndpointConfig, *, run_id: str) -> MetricsEndpoint | None:
+    """One endpoint per agent process, even if a handler is created twice."""
+    global _endpoint
+    if _endpoint is None and config.port is not None:
+        _endpoint = MetricsEndpoint(
+            host=config.host, port=config.port, parent_dir=config.parent_dir, run_id=run_id
+        )
+    return _endpoint
+
+
+class _TimedRendezvous:
+    """Wraps ``next_rendezvous``: counts and times rounds and restarts.
+
+    Every round after the first is a restart of this node's workers; its start
+    is when the agent began to recover, which the workers it spawns next
+    receive in :data:`metrics.RECOVERY_STARTED_AT_ENV`.
+    """
+
+    def __init__(self, next_rendezvous: Any) -> None:
+        self._next_rendezvous = next_rendezvous
+        self._rounds = 0
+        node = metrics.node_name()
+        self._restarts, self._world_size = (
+            metrics.RESTARTS.labels(node),
+            metrics.WORLD_SIZE.labels(node),
+        )
+        self._nodes, self._rounds_total = (
+            metrics.NODES.labels(node),
+            metrics.RDZV_ROUNDS.labels(node),
+        )
+        self._seconds = metrics.RDZV_SECONDS.labels(node)
+
+    def __call__(self) -> Any:
+        if self._rounds:
+            os.environ[metrics.RECOVERY_STARTED_AT_ENV] = repr(time.time())
+            self._restarts.inc()
+            self._nodes.set(0)
+            self._world_size.set(0)
+        else:
+            os.environ.pop(metrics.RECOVERY_STARTED_AT_ENV, None)
+        start = time.perf_counter()
+        info = self._next_rendezvous()
+        seconds = time.perf_counter() - start
+        self._rounds += 1
+        self._rounds_total.inc()
+        self._seconds.observe(seconds)
+        self._nodes.set(info.world_size)
+        log.info(
+            "rendezvous_joined",
+            round=self._rounds,
+            group_rank=info.rank,
+            nodes=info.world_size,
+            seconds=round(seconds, 3),
+        )
+        return info
 
 
 def wrap_handler(handler: Any, params: Any) -> Any:
-    """Hook for agent-side services; returns the handler to give torchrun."""
+    """Start the node's metrics endpoint and time ``handler``'s rounds; returns ``handler``."""
+    config = MetricsEndpointConfig.from_params(params)
+    node = metrics.node_name()
+    bind_context(run_id=params.run_id, node=node)
+    if _endpoint_once(config, run_id=params.run_id) is None:
+        log.info("metrics_endpoint_disabled")
+    metrics.MIN_NODES.labels(node).set(params.min_nodes)
+    metrics.MAX_NODES.labels(node).set(params.max_nodes)
+    # An instance attribute shadows the method: the handler keeps its type and
+    # every other attribute torchrun reads (use_agent_store, get_backend, ...).
+    handler.next_rendezvous = _TimedRendezvous(handler.next_rendezvous)
     return handler
