@@ -1,0 +1,166 @@
+"""The chaos schedule of ``elastic-train local`` and what each event cost.
+
+A schedule is a comma-separated list of ``KIND:NODE@WHEN`` events::
+
+    kill:1@20s,join:1@40s,term:2@step30,stop:0@12.5s
+
+``WHEN`` is either seconds since the nodes were started (``20s``) or the first
+moment the training reached a completed step (``step30``). Step triggers make
+tests independent of how fast a shared 2-core machine happens to be.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from elastic_train.audit import AuditLog
+from elastic_train.errors import ConfigError
+
+ChaosKind = Literal["kill", "join", "term", "stop"]
+KINDS: tuple[ChaosKind, ...] = ("kill", "join", "term", "stop")
+
+_FORMS = (
+    "accepted forms: KIND:NODE@SECONDSs (e.g. kill:1@20s) or KIND:NODE@stepN "
+    f"(e.g. join:1@step30), KIND one of {', '.join(KINDS)}, NODE a node index >= 0"
+)
+_EVENT = re.compile(r"^(?P<kind>[a-z]+):(?P<node>\d+)@(?P<when>.+)$")
+_SECONDS = re.compile(r"^(?P<value>\d+(?:\.\d+)?)s$")
+_STEP = re.compile(r"^step(?P<value>\d+)$")
+
+
+@dataclass(frozen=True)
+class ChaosEvent:
+    """One scheduled fault or join; exactly one of ``at_seconds``/``at_step`` is set."""
+
+    kind: ChaosKind
+    node: int
+    at_seconds: float | None = None
+    at_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"chaos kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.node < 0:
+            raise ConfigError(f"chaos node {self.node} must be >= 0")
+        if (self.at_seconds is None) == (self.at_step is None):
+            raise ConfigError("a chaos event needs exactly one of at_seconds or at_step")
+        if self.at_seconds is not None and self.at_seconds < 0:
+            raise ConfigError(f"chaos at_seconds {self.at_seconds} must be >= 0")
+        if self.at_step is not None and self.at_step < 1:
+            raise ConfigError(f"chaos at_step {self.at_step} must be >= 1 (steps count from 1)")
+
+    def __str__(self) -> str:
+        when = f"{self.at_seconds:g}s" if self.at_seconds is not None else f"step{self.at_step}"
+        return f"{self.kind}:{self.node}@{when}"
+
+    def is_due(self, *, elapsed: float, step: int) -> bool:
+        if self.at_seconds is not None:
+            return elapsed >= self.at_seconds
+        assert self.at_step is not None
+        return step >= self.at_step
+
+
+def parse_event(token: str) -> ChaosEvent:
+    """One ``KIND:NODE@WHEN`` token; the error names the token and the accepted forms."""
+    match = _EVENT.match(token.strip())
+    if match is None:
+        raise ConfigError(f"chaos event {token!r} is malformed; {_FORMS}")
+    kind, when = match["kind"], match["when"]
+    if kind not in KINDS:
+        raise ConfigError(f"chaos event {token!r} has unknown kind {kind!r}; {_FORMS}")
+    seconds, step = _SECONDS.match(when), _STEP.match(when)
+    if seconds is None and step is None:
+        raise ConfigError(f"chaos event {token!r} has a bad time {when!r}; {_FORMS}")
+    return ChaosEvent(
+        kind=kind,  # type: ignore[arg-type]  # checked against KINDS above
+        node=int(match["node"]),
+        at_seconds=float(seconds["value"]) if seconds else None,
+        at_step=int(step["value"]) if step else None,
+    )
+
+
+def parse_schedule(text: str) -> tuple[ChaosEvent, ...]:
+    """A whole ``--chaos`` string; an empty string is an empty schedule."""
+    if not text.strip():
+        return ()
+    tokens = text.split(",")
+    if any(not token.strip() for token in tokens):
+        raise ConfigError(f"chaos schedule {text!r} has an empty event; {_FORMS}")
+    return tuple(parse_event(token) for token in tokens)
+
+
+def validate_schedule(events: Iterable[ChaosEvent], *, nodes: int) -> None:
+    """Refuse events aimed at nodes that never exist: not started and never joined."""
+    events = tuple(events)
+    joined = {event.node for event in events if event.kind == "join"}
+    for event in events:
+        if event.kind != "join" and event.node >= nodes and event.node not in joined:
+            raise ConfigError(
+                f"chaos event {str(event)!r} targets node {event.node}, but only nodes "
+                f"0..{nodes - 1} are started and no join event starts node {event.node}"
+            )
+
+
+def node_count(events: Iterable[ChaosEvent], *, nodes: int) -> int:
+    """How many distinct nodes the run can have: the initial ones plus new joiners."""
+    return len(set(range(nodes)) | {event.node for event in events if event.kind == "join"})
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What one delivered event cost, audited from the workers' records.
+
+    ``seconds`` runs from the event to the first step completed by a training
+    attempt that started after it; ``lost_steps`` is the highest step completed
+    before the event minus the step that attempt restored (work redone).
+    """
+
+    kind: ChaosKind
+    node: int
+    event_time: float
+    seconds: float | None
+    lost_steps: int | None
+    world_size_after: int | None
+    restored_step: int | None
+    restore_source: str | None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "node": self.node,
+            "event_time": self.event_time,
+            "seconds": self.seconds,
+            "lost_steps": self.lost_steps,
+            "world_size_after": self.world_size_after,
+            "restored_step": self.restored_step,
+            "restore_source": self.restore_source,
+        }
+
+
+def recovery_after(log: AuditLog, *, kind: ChaosKind, node: int, event_time: float) -> Recovery:
+    """Audit the recovery from an event delivered at wall time ``event_time``."""
+    before = [record.step for record in log.steps if record.time <= event_time]
+    highest_before = max(before, default=0)
+    attempt = next(
+        (a for a in log.attempts() if a.start_time > event_time and a.first_step_time is not None),
+        None,
+    )
+    if attempt is None:
+        return Recovery(kind, node, event_time, None, None, None, None, None)
+    assert attempt.first_step_time is not None
+    lost = None
+    if attempt.restored_step is not None:
+        lost = max(0, highest_before - attempt.restored_step)
+    return Recovery(
+        kind=kind,
+        node=node,
+        event_time=event_time,
+        seconds=attempt.first_step_time - event_time,
+        lost_steps=lost,
+        world_size_after=attempt.world_size,
+        restored_step=attempt.restored_step,
+        restore_source=attempt.restore_source,
+    )

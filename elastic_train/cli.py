@@ -1,0 +1,132 @@
+"""The ``elastic-train`` console script: a thin shell over the library API.
+
+    elastic-train local [--nodes N] [--nproc-per-node K] [--chaos SCHEDULE]
+                        [--json PATH] [--run-dir DIR] [--SECTION.KEY=VALUE ...]
+
+Arguments this parser does not know are the trainer's own (``--config PATH``
+and ``--SECTION.KEY=VALUE`` overrides); they are checked by the trainer's
+config parser before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+from elastic_train.errors import ConfigError, ElasticTrainError
+from elastic_train.log import configure_logging, get_logger
+
+log = get_logger(__name__)
+
+EXIT_OK = 0
+#: the run finished but did not complete, or the exactly-once audit failed
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "local",
+        help="run the job on a local cluster: embedded etcd + N torchrun agents",
+        description="Run elastic_train/main.py on N local torchrun 'nodes' against an "
+        "embedded etcd, optionally with a chaos schedule, and audit the result. "
+        "Unknown arguments (--config PATH, --SECTION.KEY=VALUE) go to the trainer.",
+    )
+    p.add_argument("--nodes", type=int, default=3, help="agents started at once (default 3)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per agent (default 1)")
+    p.add_argument("--min-nodes", type=int, default=1, help="MIN of --nnodes MIN:MAX (default 1)")
+    p.add_argument(
+        "--max-nodes", type=int, default=None, help="MAX of --nnodes (default: nodes + joiners)"
+    )
+    p.add_argument(
+        "--chaos",
+        default="",
+        help="comma-separated KIND:NODE@WHEN events; KIND kill|join|term|stop, WHEN 20s "
+        "(seconds after start) or step30 (once step 30 is done), e.g. kill:1@20s,join:1@40s",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the JSON summary here")
+    p.add_argument(
+        "--run-dir", metavar="DIR", help="audit, checkpoints, logs (default: a temp dir)"
+    )
+    p.add_argument("--rdzv-backend", default="etcd", help="torchrun --rdzv-backend (default etcd)")
+    p.add_argument("--rdzv-conf", default="", help="torchrun --rdzv-conf (default: the backend's)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
+    p.add_argument("--quiet", action="store_true", help="no live progress")
+    p.set_defaults(handler=_run_local)
+
+
+def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
+    # Imported here so that `elastic-train --help` stays instant.
+    from elastic_train.chaos import parse_schedule
+    from elastic_train.local import ClusterSpec, run_local
+    from elastic_train.progress import ProgressPrinter
+
+    spec = ClusterSpec(
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        min_nodes=args.min_nodes,
+        max_nodes=args.max_nodes,
+        chaos=parse_schedule(args.chaos),
+        script_args=tuple(trainer_args),
+        rdzv_backend=args.rdzv_backend,
+        rdzv_conf=args.rdzv_conf,
+        timeout_s=args.timeout,
+    )
+    progress = None if args.quiet else ProgressPrinter()
+    summary = run_local(spec, run_dir=args.run_dir, progress=progress)
+    if args.json:
+        summary.write(args.json)
+    doc = summary.to_json()
+    brief = {k: doc[k] for k in ("completed", "final_step", "final_loss", "exactly_once")}
+    print(json.dumps({**brief, "recoveries": doc["recoveries"], "run_dir": doc["run_dir"]}))
+    if summary.error:
+        print(f"error: {summary.error}", file=sys.stderr)
+    return EXIT_OK if summary.completed and summary.exactly_once else EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastic-train", description="Elastic, fault-tolerant PyTorch training."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+#: one ``add_*(subparsers)`` per subcommand; each sets ``handler(args, extra) -> int``
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_local]  # type: ignore[type-arg]
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Unwinds through the runner's cleanup, like Ctrl-C does.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging()
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "local":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return int(args.handler(args, extra))
+    except ConfigError as exc:
+        print(f"elastic-train {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ElasticTrainError as exc:
+        print(f"elastic-train {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("elastic-train: interrupted; everything it started is stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Signals to whole process trees, by PID.
+
+torchrun starts its workers with ``start_new_session=True``, so a signal to
+an agent's process group never reaches them: a node kill has to find the
+workers as the agent's descendants and signal each one. The tree is frozen
+with SIGSTOP first, so the agent cannot start a worker between the listing
+and the kill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import psutil
+
+#: seconds to wait for SIGKILLed processes to disappear
+_REAP_TIMEOUT_S = 5.0
+
+
+def descendants(root: psutil.Process) -> list[psutil.Process]:
+    """All living descendants of ``root`` (empty when it is gone)."""
+    try:
+        return root.children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
+
+
+def freeze_tree(root: psutil.Process) -> list[psutil.Process]:
+    """SIGSTOP ``root`` and every descendant, until no new descendant appears."""
+    frozen: dict[int, psutil.Process] = {}
+    pending = [root]
+    while pending:
+        for proc in pending:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+                proc.suspend()
+                frozen[proc.pid] = proc
+        pending = [
+            child
+            for proc in list(frozen.values())
+            for child in descendants(proc)
+            if child.pid not in frozen
+        ]
+    return list(frozen.values())
+
+
+def kill_tree(root: psutil.Process) -> list[psutil.Process]:
+    """SIGKILL ``root`` and all its descendants; returns the processes signalled."""
+    procs = freeze_tree(root)
+    signal_all(procs, signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=_REAP_TIMEOUT_S)
+    return procs
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    """Send ``sig`` to each process that is still the one we saw (no PID reuse)."""
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+            proc.send_signal(sig)
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes that still run; zombies count as gone."""
+    living = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                living.append(proc)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return living
+
+
+def marked_processes(marker_env: str, value: str) -> list[psutil.Process]:
+    """This user's processes whose environment has ``marker_env=value``.
+
+    The last sweep of a run: it also finds workers orphaned before the runner
+    ever saw them (their agent died between two polls).
+    """
+    uid = psutil.Process().uids().real
+    found = []
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            if proc.environ().get(marker_env) == value:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return found

@@ -1,0 +1,129 @@
+"""The runner's side of the audit protocol: reading records and the exactly-once verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from audit_sim import SimRun
+
+from elastic_train.audit import (
+    AuditLog,
+    AuditTail,
+    AuditWriter,
+    ResumeRecord,
+    StepRecord,
+    audit_exactly_once,
+    committed_steps,
+)
+
+
+def test_reader_parses_what_the_writer_writes(tmp_path: Path) -> None:
+    writer = AuditWriter(tmp_path, attempt="x1", rank=1, world_size=3, node="node1")
+    writer.resume(restored_step=4, source="snapshot")
+    writer.step(step=5, epoch=0, indices=[7, 3], loss=0.25)
+    writer.close()
+    audit = AuditLog.load(tmp_path)
+    (resume,) = audit.resumes
+    (step,) = audit.steps
+    assert isinstance(resume, ResumeRecord) and isinstance(step, StepRecord)
+    assert (resume.attempt, resume.restored_step, resume.source) == ("x1", 4, "snapshot")
+    assert (resume.rank, resume.world_size, resume.node) == (1, 3, "node1")
+    assert (step.step, step.epoch, step.indices, step.loss) == (5, 0, (7, 3), 0.25)
+    assert step.time >= resume.time > 0
+
+
+def test_tail_reads_each_complete_line_once_and_never_a_torn_one(tmp_path: Path) -> None:
+    path = tmp_path / "worker-node0-1.jsonl"
+    record = {"kind": "step", "attempt": "a", "step": 1, "epoch": 0, "rank": 0, "world_size": 1,
+              "node": "node0", "indices": [0], "loss": 1.0, "time": 1.0}  # fmt: skip
+    line = json.dumps(record) + "\n"
+    path.write_text(line + line[:10])  # a worker killed in the middle of its second write
+    tail = AuditTail(tmp_path)
+    assert [r.step for r in tail.poll()] == [1]  # type: ignore[union-attr]
+    assert tail.poll() == []
+    with open(path, "a") as handle:
+        handle.write(line[10:].replace('"step": 1', '"step": 2'))
+    assert [r.step for r in tail.poll()] == [2]  # type: ignore[union-attr]
+    assert tail.log.malformed == 0 and len(tail.log.steps) == 2
+
+
+def test_a_malformed_complete_line_fails_the_audit(tmp_path: Path) -> None:
+    sim = SimRun(tmp_path)
+    sim.attempt(world_size=2, restored=0, last=4)
+    (tmp_path / "worker-node9-1.jsonl").write_text('{"kind": "step", "step": \n')
+    verdict = audit_exactly_once(AuditLog.load(tmp_path), dataset_len=sim.dataset_len)
+    assert not verdict.ok and "malformed" in verdict.detail
+
+
+def test_resizes_with_redone_steps_are_exactly_once(tmp_path: Path) -> None:
+    # 20 samples, batches of 6: 4 steps per epoch. World 3, killed after step 9
+    # with a checkpoint at 6; world 2 redoes 7..9 and runs to 13; world 3 to 14.
+    sim = SimRun(tmp_path)
+    sim.attempt(world_size=3, restored=0, last=9)
+    sim.attempt(world_size=2, restored=6, last=13, source="disk")
+    sim.attempt(world_size=3, restored=13, last=14, source="snapshot")
+    audit = AuditLog.load(tmp_path)
+    verdict = audit_exactly_once(audit, dataset_len=sim.dataset_len)
+    assert verdict.ok, verdict.detail
+    assert verdict.committed_steps == 14
+    assert verdict.finished_epochs == 3  # epochs 0..2; epoch 3 has 2 of its 4 steps
+    committed = committed_steps(audit)
+    assert {r.world_size for r in committed[7]} == {2}  # the redo, not the discarded run
+    assert {r.world_size for r in committed[14]} == {3}
+
+
+def test_discarded_steps_do_not_count_even_when_they_were_wrong(tmp_path: Path) -> None:
+    sim = SimRun(tmp_path)
+    sim.attempt(world_size=3, restored=0, last=6, batch_of={5: 1, 6: 1})  # thrown away
+    sim.attempt(world_size=2, restored=4, last=8)
+    verdict = audit_exactly_once(AuditLog.load(tmp_path), dataset_len=sim.dataset_len)
+    assert verdict.ok, verdict.detail
+
+
+def test_a_restore_at_the_wrong_position_is_caught(tmp_path: Path) -> None:
+    # The resumed attempt claims step 6 but replays the data of steps 5 and 6.
+    sim = SimRun(tmp_path)
+    sim.attempt(world_size=3, restored=0, last=6)
+    sim.attempt(world_size=2, restored=6, last=8, batch_of={7: 5, 8: 6})
+    verdict = audit_exactly_once(AuditLog.load(tmp_path), dataset_len=sim.dataset_len)
+    assert not verdict.ok
+    assert "epoch 1" in verdict.detail and "consumed twice" in verdict.detail
+
+
+def test_skipped_samples_in_a_finished_epoch_are_caught(tmp_path: Path) -> None:
+    sim = SimRun(tmp_path)
+    sim.attempt(world_size=3, restored=0, last=2)
+    sim.attempt(world_size=2, restored=2, last=6, batch_of={3: 5})  # step 3's data never seen
+    verdict = audit_exactly_once(AuditLog.load(tmp_path), dataset_len=sim.dataset_len)
+    assert not verdict.ok and "epoch 0" in verdict.detail
+
+
+def test_a_missing_rank_record_names_the_step_and_ranks(tmp_path: Path) -> None:
+    sim = SimRun(tmp_path)
+    sim.attempt(world_size=3, restored=0, last=5, skip_rank_at=(3, 1))
+    verdict = audit_exactly_once(AuditLog.load(tmp_path), dataset_len=sim.dataset_len)
+    assert not verdict.ok
+    assert "step 3" in verdict.detail and "ranks [0, 2]" in verdict.detail
+
+
+def test_a_restored_step_nobody_recorded_is_caught(tmp_path: Path) -> None:
+    sim = SimRun(tmp_path)
+    sim.attempt(world_size=3, restored=0, last=4)
+    sim.attempt(world_size=2, restored=6, last=8)  # restores a step that never happened
+    verdict = audit_exactly_once(AuditLog.load(tmp_path), dataset_len=sim.dataset_len)
+    assert not verdict.ok and "step 6" in verdict.detail
+
+
+def test_dataset_len_and_attempt_order_come_from_the_records(tmp_path: Path) -> None:
+    sim = SimRun(tmp_path)
+    first = sim.attempt(world_size=3, restored=0, last=3)
+    second = sim.attempt(world_size=2, restored=3, last=5)
+    audit = AuditLog.load(tmp_path)
+    attempts = audit.attempts()
+    assert [a.id for a in attempts] == [first, second]
+    assert [(a.world_size, a.restored_step, a.last_step) for a in attempts] == [
+        (3, 0, 3),
+        (2, 3, 5),
+    ]
+    assert audit.dataset_len() is None  # the simulator does not write it

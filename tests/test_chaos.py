@@ -1,0 +1,99 @@
+"""The chaos schedule parser and the recovery audit of each event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from audit_sim import SimRun
+
+from elastic_train.audit import AuditLog
+from elastic_train.chaos import (
+    ChaosEvent,
+    node_count,
+    parse_schedule,
+    recovery_after,
+    validate_schedule,
+)
+from elastic_train.errors import ConfigError
+
+
+def test_parses_every_kind_and_both_time_forms() -> None:
+    events = parse_schedule("kill:1@20s, join:1@40.5s,kill:0@60s,term:2@step30,stop:1@0s")
+    assert events == (
+        ChaosEvent("kill", 1, at_seconds=20.0),
+        ChaosEvent("join", 1, at_seconds=40.5),
+        ChaosEvent("kill", 0, at_seconds=60.0),
+        ChaosEvent("term", 2, at_step=30),
+        ChaosEvent("stop", 1, at_seconds=0.0),
+    )
+    assert [str(e) for e in events[:4]] == [
+        "kill:1@20s",
+        "join:1@40.5s",
+        "kill:0@60s",
+        "term:2@step30",
+    ]
+    assert parse_schedule("") == () == parse_schedule("  ")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "token", "problem"),
+    [
+        ("kill:1@20s,kil:2@30s", "kil:2@30s", "unknown kind 'kil'"),
+        ("kill:one@20s", "kill:one@20s", "malformed"),
+        ("kill:1", "kill:1", "malformed"),
+        ("kill:1@20m", "kill:1@20m", "bad time '20m'"),
+        ("kill:1@step", "kill:1@step", "bad time 'step'"),
+        ("kill:-1@2s", "kill:-1@2s", "malformed"),
+    ],
+)
+def test_bad_tokens_are_named_with_the_accepted_forms(
+    schedule: str, token: str, problem: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_schedule(schedule)
+    message = str(info.value)
+    assert repr(token) in message and problem in message
+    assert "kill:1@20s" in message and "stepN" in message and "kill, join, term, stop" in message
+
+
+def test_empty_events_and_step_zero_are_refused() -> None:
+    with pytest.raises(ConfigError, match="empty event"):
+        parse_schedule("kill:1@20s,,join:1@30s")
+    with pytest.raises(ConfigError, match="at_step 0 must be >= 1"):
+        parse_schedule("kill:1@step0")
+
+
+def test_events_on_nodes_that_never_exist_are_refused() -> None:
+    validate_schedule(parse_schedule("kill:2@5s,join:3@6s,kill:3@9s"), nodes=3)
+    with pytest.raises(ConfigError, match=r"'kill:5@5s' targets node 5.*0\.\.2"):
+        validate_schedule(parse_schedule("kill:5@5s"), nodes=3)
+    assert node_count(parse_schedule("kill:1@5s,join:1@6s,join:4@7s"), nodes=3) == 4
+
+
+def test_due_by_time_or_by_step() -> None:
+    by_time, by_step = parse_schedule("kill:1@20s,join:1@step30")
+    assert not by_time.is_due(elapsed=19.9, step=1000) and by_time.is_due(elapsed=20, step=0)
+    assert not by_step.is_due(elapsed=1e6, step=29) and by_step.is_due(elapsed=0, step=30)
+
+
+def test_recovery_from_a_kill_and_a_join(tmp_path: Path) -> None:
+    sim = SimRun(tmp_path, step_seconds=1.0)
+    sim.attempt(world_size=3, restored=0, last=9)  # steps 1..9 at t=1003..1011
+    kill_time = sim.time + 0.5  # after step 9 completed
+    sim.time = kill_time + 1.0  # the survivors' attempt starts 3 s after the kill
+    sim.attempt(world_size=2, restored=6, last=12)
+    join_time = sim.time + 0.25
+    sim.attempt(world_size=3, restored=12, last=14, source="snapshot")
+    audit = AuditLog.load(tmp_path)
+
+    kill = recovery_after(audit, kind="kill", node=1, event_time=kill_time)
+    assert (kill.world_size_after, kill.restored_step, kill.lost_steps) == (2, 6, 3)
+    # The new attempt starts at kill+3 s and its first step completes 1 s later.
+    assert kill.seconds == pytest.approx(4.0)
+    join = recovery_after(audit, kind="join", node=1, event_time=join_time)
+    assert (join.world_size_after, join.lost_steps, join.restore_source) == (3, 0, "snapshot")
+    assert join.seconds == pytest.approx(2.75)
+    late = recovery_after(audit, kind="kill", node=0, event_time=sim.time + 10)
+    assert late.seconds is None and late.world_size_after is None
+    assert kill.to_json()["world_size_after"] == 2
