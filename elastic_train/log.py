@@ -1,32 +1,128 @@
 """Structured logging: structlog configured once per process.
 
 JSON lines by default; human-readable console output when stderr is a
-terminal. Context that holds for a whole process (run_id, node, rank, ...)
-is bound once with :func:`bind_context`, not repeated at each call.
+terminal. Context that holds for a whole process is bound once with
+:func:`bind_context`, not repeated at each call. The keys used across the
+project: ``run_id``, ``node``, ``rank``, ``local_rank``, ``world_size``,
+``restart`` (the torchrun restart count), and ``step`` on events about a step.
+
+Events are named in snake case (``rendezvous_joined``, ``checkpoint_saved``,
+``checkpoint_fallback``, ``worker_hang_detected``, ``resumed``) and carry their
+facts as keys: ``log.info("checkpoint_saved", step=120, seconds=0.4)``.
+
+The standard library's logging (torch's included) and ``warnings`` go through
+the same pipeline. Every event, whatever its source, passes
+:func:`redact_secrets` last before rendering: values under secret-looking keys,
+``password=...``-style text, URL credentials, bearer tokens and every secret
+registered with :func:`register_secret` (the etcd password and the rendezvous
+signing secret are registered from the environment) are replaced.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 
-_configured = False
+__all__ = [
+    "REDACTED",
+    "bind_context",
+    "configure_logging",
+    "get_logger",
+    "redact_secrets",
+    "register_secret",
+]
+
+REDACTED = "[REDACTED]"
+#: Environment variables that hold secrets (see the rendezvous' ``--rdzv-conf`` docs).
+SECRET_ENV_VARS = ("ETCD_PASSWORD", "ELASTIC_TRAIN_RDZV_SECRET")
+# Shorter registered secrets would blank out ordinary words of every message.
+_MIN_SECRET_LENGTH = 4
+
+_SECRET_WORD = r"pass(?:word|wd|phrase)?|secret|token|api[_-]?key|private[_-]?key|credentials?"
+# Whole words of a key: auth_token and ETCD_PASSWORD are secrets, tokens_per_second is not.
+_SECRET_KEY = re.compile(rf"(?i)(?:^|[_.-])(?:{_SECRET_WORD}|authorization|cookie)(?:$|[_.-])")
+_SECRET_IN_TEXT = (
+    # password=hunter2, "token": "abc", secret: 'x y', ETCD_PASSWORD=..., --password hunter2
+    re.compile(
+        rf"""(?ix)(\b(?:\w+[_-])?(?:{_SECRET_WORD})\b["']?\s*[=:]\s*|--(?:{_SECRET_WORD})\s+)
+        ("[^"]*"|'[^']*'|[^\s,;&)}}\]]+)"""
+    ),
+    re.compile(r"(?i)(\bbearer\s+)([\w.~+/=-]+)"),
+    re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)([^@\s/]+)(?=@)"),  # scheme://user:pw@
+)
+_secrets: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """Redact ``value`` wherever it appears in any later log event of this process."""
+    if value and len(value) >= _MIN_SECRET_LENGTH:
+        _secrets.add(value)
+
+
+def _redact_text(text: str) -> str:
+    for secret in sorted(_secrets, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    for pattern in _SECRET_IN_TEXT:
+        text = pattern.sub(lambda m: m.group(1) + REDACTED, text)
+    return text
+
+
+def _redact(value: Any) -> Any:
+    if isinstance(value, str):
+        return _redact_text(value)
+    if isinstance(value, Mapping):
+        return {key: _redact_item(key, item) for key, item in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_redact(item) for item in value]
+    return value
+
+
+def _redact_item(key: Any, value: Any) -> Any:
+    return REDACTED if isinstance(key, str) and _SECRET_KEY.search(key) else _redact(value)
+
+
+def redact_secrets(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor: remove secrets from keys, nested values and message text."""
+    return {
+        # Keys with a leading underscore are structlog's own (the stdlib record).
+        key: value if key.startswith("_") else _redact_item(key, value)
+        for key, value in event_dict.items()
+    }
+
+
+def _route_torch_logging() -> None:
+    """torch gives its loggers their own stderr handler and stops propagation: undo that."""
+    for name, logger in logging.root.manager.loggerDict.items():
+        if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger):
+            logger.handlers.clear()
+            logger.propagate = True
 
 
 def configure_logging(*, level: str = "INFO", json: bool | None = None) -> None:
-    """Configure structlog and route stdlib logging (torch's too) through it."""
-    global _configured
+    """Configure structlog and route stdlib logging (torch's too) and warnings through it.
+
+    Call it after importing torch: torch resets its loggers when imported.
+    """
+    for name in SECRET_ENV_VARS:
+        register_secret(os.environ.get(name))
     use_json = (not sys.stderr.isatty()) if json is None else json
     renderer: Any = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     )
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        # Tracebacks become text before redaction: an exception message can hold a secret.
+        structlog.processors.format_exc_info,
+        redact_secrets,
     ]
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
@@ -44,7 +140,8 @@ def configure_logging(*, level: str = "INFO", json: bool | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    _configured = True
+    _route_torch_logging()
+    logging.captureWarnings(True)
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
