@@ -47,7 +47,7 @@ from elastic_train.errors import (
     ConfigError,
 )
 from elastic_train.log import get_logger
-from elastic_train.state_io import HashingWriter, config_fingerprint, copy_to_host, fsync_dir
+from elastic_train.state_io import config_fingerprint, copy_to_host, fsync_dir, save_hashed
 
 __all__ = ["CheckpointManager", "SaveStats", "config_fingerprint", "copy_to_host"]
 
@@ -257,15 +257,11 @@ class CheckpointManager:
     def _write_state(self, temporary: Path, state: Any) -> dict[str, dict[str, Any]]:
         temporary.mkdir()
         with open(temporary / STATE_FILE, "wb") as file:
-            writer = HashingWriter(file)
-            try:
-                torch.save(state, writer)
-            except RuntimeError as exc:
-                raise (writer.error or exc) from exc
+            digest, size = save_hashed(state, file, algorithm="sha256")
             file.flush()
             os.fsync(file.fileno())
         fsync_dir(temporary)
-        return {STATE_FILE: {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}}
+        return {STATE_FILE: {"sha256": digest, "bytes": size}}
 
     def _write_manifest(self, final: Path, step: int, files: dict, metadata: dict) -> None:
         body = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,18 +61,42 @@ def config_fingerprint(fields: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+class _Crc32:
+    """crc32 behind hashlib's interface: enough to detect a torn write, 3x faster than sha256."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: bytes) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+def new_hasher(algorithm: str) -> Any:
+    """A hashlib-like object for ``algorithm`` (``sha256`` or ``crc32``)."""
+    return _Crc32() if algorithm == "crc32" else hashlib.new(algorithm)
+
+
+def checksum(data: bytes | memoryview, algorithm: str) -> str:
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
 class HashingWriter:
     """A file wrapper that hashes what torch.save writes, so the file is read zero times."""
 
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, algorithm: str) -> None:
         self._file = file
-        self.sha256 = hashlib.sha256()
+        self.hasher = new_hasher(algorithm)
         self.size = 0
         #: torch.save turns a failed write into an errno-less RuntimeError; keep the real one.
         self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
-        self.sha256.update(data)
+        self.hasher.update(data)
         self.size += len(data)
         try:
             return self._file.write(data)
@@ -81,6 +106,16 @@ class HashingWriter:
 
     def flush(self) -> None:
         self._file.flush()
+
+
+def save_hashed(state: Any, file: BinaryIO, *, algorithm: str) -> tuple[str, int]:
+    """``torch.save`` into ``file``; returns (checksum, bytes). A failed write raises OSError."""
+    writer = HashingWriter(file, algorithm)
+    try:
+        torch.save(state, writer)
+    except RuntimeError as exc:
+        raise (writer.error or exc) from exc
+    return writer.hasher.hexdigest(), writer.size
 
 
 def fsync_dir(path: Path) -> None:
