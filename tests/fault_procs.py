@@ -57,7 +57,7 @@ def stuck_here() -> None:
 
 
 def hang(step_seconds: float) -> int:
-    from elastic_train.watchdog import Watchdog  # noqa: PLC0415
+    from elastic_train.watchdog import Watchdog
 
     dog = Watchdog(multiple=5.0, floor_s=0.5, startup_timeout_s=5.0, poll_s=0.05).start()
     start = time.monotonic()
