@@ -64,6 +64,10 @@ class ClusterSpec:
     max_restarts: int = 1000
     #: extra environment for the agents (and so the workers)
     env: tuple[tuple[str, str], ...] = ()
+    #: the nodes' metrics endpoints (node_agent): node i on ``metrics_port + i``,
+    #: 0 for free ports picked per node, None for none. One machine cannot give
+    #: every agent node_agent's default port.
+    metrics_port: int | None = 0
     timeout_s: float = 900.0
     #: on abort: seconds between SIGTERM to the agents and SIGKILL to everything
     grace_s: float = 5.0
@@ -133,6 +137,9 @@ class LocalCluster:
         self.etcd: EtcdServer | None = None
         self.endpoint = spec.rdzv_endpoint or ""
         self._seen: dict[tuple[int, float], psutil.Process] = {}
+        self._free_ports: dict[int, int] = {}
+        #: every agent ever started, for the last wait (nodes holds the latest only)
+        self.incarnations: list[Node] = []
 
     @property
     def audit_dir(self) -> Path:
@@ -219,6 +226,8 @@ class LocalCluster:
             raise ClusterError(f"node{index} is already running")
         env = {**os.environ, **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
         env |= {"ELASTIC_TRAIN_NODE": f"node{index}", RUN_MARKER_ENV: self.run_id}
+        env["ELASTIC_TRAIN_METRICS_PORT"] = str(self.metrics_port(index) or "off")
+        env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")
         with open(self.run_dir / "logs" / f"node{index}.log", "ab") as out:
             proc = subprocess.Popen(
                 self.command(),
@@ -229,9 +238,18 @@ class LocalCluster:
                 start_new_session=True,
             )
         node = self.nodes[index] = Node(index=index, proc=proc)
+        self.incarnations.append(node)
         self._remember([psutil.Process(proc.pid)])
         log.info("local_node_started", node=node.name, pid=proc.pid)
         return node
+
+    def metrics_port(self, index: int) -> int | None:
+        """The node's metrics port, the same for every incarnation of the node."""
+        if self.spec.metrics_port is None:
+            return None
+        if self.spec.metrics_port:
+            return self.spec.metrics_port + index
+        return self._free_ports.setdefault(index, free_port())
 
     def alive_nodes(self) -> list[Node]:
         return [node for node in self.nodes.values() if node.alive]
@@ -260,8 +278,10 @@ class LocalCluster:
             return f"skipped: node{event.node} is not running"
         agent = psutil.Process(node.proc.pid)
         if event.kind == "kill":
-            self._remember(proctree.kill_tree(agent))
+            procs = proctree.kill_tree(agent)
+            self._remember(procs)
             node.proc.wait()
+            proctree.wait_gone(procs, own=frozenset({agent.pid}))
             node.fate = "killed"
         elif event.kind == "term":
             node.proc.send_signal(signal.SIGTERM)
@@ -301,14 +321,21 @@ class LocalCluster:
             # A SIGSTOPped worker only acts on SIGTERM once continued.
             stopped = [proc for node in self.nodes.values() for proc in node.stopped]
             proctree.signal_all(stopped, signal.SIGCONT)
-            psutil.wait_procs(proctree.alive(list(self._seen.values())), timeout=self.spec.grace_s)
-        leftovers = proctree.alive(list(self._seen.values()))
+            proctree.wait_gone(self._seen_list(), timeout=self.spec.grace_s, own=self._own())
+        leftovers = proctree.alive(self._seen_list())
         leftovers += proctree.marked_processes(RUN_MARKER_ENV, self.run_id)
         for proc in leftovers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 self._remember(proctree.kill_tree(proc))
-        for node in self.nodes.values():
+        proctree.wait_gone(self._seen_list(), own=self._own())
+        for node in self.incarnations:
             node.proc.wait()
+
+    def _seen_list(self) -> list[psutil.Process]:
+        return list(self._seen.values())
+
+    def _own(self) -> frozenset[int]:
+        return frozenset(node.proc.pid for node in self.incarnations)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 
 import psutil
 
@@ -45,11 +46,32 @@ def freeze_tree(root: psutil.Process) -> list[psutil.Process]:
 
 
 def kill_tree(root: psutil.Process) -> list[psutil.Process]:
-    """SIGKILL ``root`` and all its descendants; returns the processes signalled."""
+    """SIGKILL ``root`` and all its descendants; returns the processes signalled.
+
+    It does not wait: see :func:`wait_gone`.
+    """
     procs = freeze_tree(root)
     signal_all(procs, signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=_REAP_TIMEOUT_S)
     return procs
+
+
+def wait_gone(
+    procs: list[psutil.Process],
+    *,
+    timeout: float = _REAP_TIMEOUT_S,
+    own: frozenset[int] = frozenset(),
+) -> list[psutil.Process]:
+    """Wait until ``procs`` are gone; returns those still alive after ``timeout``.
+
+    PIDs in ``own`` are our ``Popen`` children: psutil's wait would reap them
+    and steal their exit status from ``Popen``, so they are only polled.
+    """
+    deadline = time.monotonic() + timeout
+    others = [p for p in procs if p.pid not in own]
+    psutil.wait_procs(others, timeout=timeout)
+    while (living := alive(procs)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return living
 
 
 def signal_all(procs: list[psutil.Process], sig: int) -> None:

@@ -1,0 +1,112 @@
+"""The local cluster runner with real torchrun agents and real signals."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elastic_train import proctree
+from elastic_train.chaos import ChaosEvent
+from elastic_train.cluster import RUN_MARKER_ENV, ClusterSpec, LocalCluster
+from elastic_train.errors import ConfigError
+from elastic_train.local import run_local
+
+WORKER = str(Path(__file__).with_name("local_worker.py"))
+
+
+def wait_for(predicate: Callable[[], object], *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def trivial_spec(nodes: int, *args: str) -> ClusterSpec:
+    # c10d and a worker that imports nothing: the cheapest real torchrun nodes.
+    return ClusterSpec(
+        nodes=nodes, rdzv_backend="c10d", script=WORKER, script_args=("{run_dir}", *args),
+        trainer_args=False, metrics_port=None, timeout_s=120,
+    )  # fmt: skip
+
+
+def tree(cluster: LocalCluster, index: int) -> list[psutil.Process]:
+    agent = psutil.Process(cluster.nodes[index].proc.pid)
+    return [agent, *proctree.descendants(agent)]
+
+
+@pytest.mark.slow
+def test_faults_reach_agents_and_workers_and_close_leaves_nothing(tmp_path: Path) -> None:
+    cluster = LocalCluster(trivial_spec(3), run_dir=tmp_path)
+    with cluster:
+        wait_for(lambda: len(list((tmp_path / "alive").glob("node*"))) == 3, timeout=90,
+                 what="a worker on every node")  # fmt: skip
+        everything = [p for i in range(3) for p in tree(cluster, i)]
+        assert len(everything) == 6  # one agent and one worker per node
+
+        assert cluster.deliver(ChaosEvent("stop", 2, at_seconds=0)) == "delivered"
+        (stopped,) = cluster.nodes[2].stopped
+        assert stopped in tree(cluster, 2)[1:]
+        wait_for(lambda: stopped.status() == psutil.STATUS_STOPPED, timeout=5, what="SIGSTOP")
+
+        doomed = tree(cluster, 1)
+        assert cluster.deliver(ChaosEvent("kill", 1, at_seconds=0)) == "delivered"
+        assert proctree.alive(doomed) == []  # the agent and its worker, not just the agent
+        assert cluster.nodes[1].proc.returncode == -signal.SIGKILL
+
+        assert cluster.deliver(ChaosEvent("term", 0, at_seconds=0)) == "delivered"
+        cluster.nodes[0].proc.wait(timeout=30)  # torchrun's agent shuts its workers down
+        assert cluster.deliver(ChaosEvent("kill", 1, at_seconds=0)).startswith("skipped")
+        assert cluster.deliver(ChaosEvent("join", 2, at_seconds=0)).startswith("skipped")
+    # close() also reached node 2's agent and its SIGSTOPped worker.
+    assert proctree.alive(everything) == []
+    assert proctree.marked_processes(RUN_MARKER_ENV, cluster.run_id) == []
+    assert {n.name: n.state() for n in cluster.nodes.values()}["node1"] == "killed"
+
+
+@pytest.mark.slow
+def test_run_local_waits_for_the_nodes_and_summarizes(tmp_path: Path) -> None:
+    summary = run_local(trivial_spec(2, "1"), run_dir=tmp_path)
+    assert summary.completed and summary.error is None
+    assert summary.nodes == {"node0": "exited(0)", "node1": "exited(0)"}
+    # Both workers ran in one world of two: one rendezvous round, no restart.
+    assert sorted(p.read_text() for p in (tmp_path / "alive").iterdir()) == ["2", "2"]
+    assert (tmp_path / "summary.json").is_file()
+    assert not summary.exactly_once  # a script without audit records proves nothing
+
+
+def test_spec_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="min_nodes"):
+        ClusterSpec(nodes=2, min_nodes=3)
+    with pytest.raises(ConfigError, match="nproc_per_node"):
+        ClusterSpec(nproc_per_node=0)
+    with pytest.raises(ConfigError, match="max_nodes"):
+        ClusterSpec(nodes=3, max_nodes=2)
+    with pytest.raises(ConfigError, match="rdzv_endpoint"):
+        ClusterSpec(rdzv_backend="static-tcp")
+    with pytest.raises(ConfigError, match="'kill:3@1s' targets node 3"):
+        ClusterSpec(nodes=3, chaos=(ChaosEvent("kill", 3, at_seconds=1),))
+
+
+def test_agent_command_line(tmp_path: Path) -> None:
+    join = ChaosEvent("join", 2, at_seconds=5)
+    spec = ClusterSpec(nodes=2, chaos=(join,), script_args=("--training.steps=5",),
+                       rdzv_endpoint="127.0.0.1:2379")  # fmt: skip
+    cluster = LocalCluster(spec, run_dir=tmp_path)
+    command = cluster.command()
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nnodes=1:3" in command and "--rdzv-backend=etcd" in command
+    assert "--rdzv-endpoint=127.0.0.1:2379" in command
+    assert f"--rdzv-id={cluster.run_id}" in command
+    assert not any(arg.startswith("--rdzv-conf") for arg in command)  # the backend's defaults
+    assert command[-3:] == [
+        "--training.steps=5",
+        f"--logging.audit_dir={tmp_path / 'audit'}",
+        f"--checkpoint.dir={tmp_path / 'checkpoints'}",
+    ]
