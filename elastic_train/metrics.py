@@ -348,6 +348,12 @@ class WorkerMetrics:
         self._loss, self._world = LOSS.labels(node), WORLD_SIZE.labels(node)
         self._last = LAST_STEP_TIME.labels(node)
         self._world.set(world_size)
+        # Made now, so these series read 0 before their first event, not "no data".
+        if rank == 0:
+            LOST_STEPS.labels(node)
+            CKPT_FAILURES.labels(node)
+        if local_rank == 0:
+            RECOVERY_SECONDS.labels(node)
         self._resources = ResourceSampler(local_rank=local_rank, interval=resource_interval)
         self._resources.start()
 
