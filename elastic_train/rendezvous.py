@@ -1,0 +1,410 @@
+"""The etcd v3 rendezvous for torchrun: ``--rdzv-backend etcd-v3`` (and ``etcd``).
+
+PyTorch's ``DynamicRendezvousHandler`` runs the rendezvous state machine; this
+module gives it a backend on the etcd v3 API (:class:`EtcdV3RendezvousBackend`),
+an etcd-backed c10d store, fast-recovery defaults, and the torchrun entry points.
+
+The handler stores its state as a *pickle*, so whoever can write the state key
+can run code on every agent that reads it. With a job secret (rdzv-conf
+``secret_file`` or ``ELASTIC_TRAIN_RDZV_SECRET``) each state is signed with
+HMAC-SHA256 and verified before the bytes reach the unpickler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+)
+
+from elastic_train import node_agent
+from elastic_train.errors import EtcdError, EtcdUnavailableError
+from elastic_train.etcd_client import EtcdClient, EtcdClientConfig, LeaseKeeper
+from elastic_train.etcd_store import EtcdV3Store
+from elastic_train.log import get_logger
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+SECRET_ENV = "ELASTIC_TRAIN_RDZV_SECRET"
+NO_TAKEOVER_ENV = "ELASTIC_TRAIN_NO_ETCD_TAKEOVER"
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+_MAGIC = b"ETv3"
+_SIGNED, _DIGEST = b"S", b"D"
+_HEADER_LEN = len(_MAGIC) + 1 + hashlib.sha256().digest_size
+
+
+@dataclass(frozen=True)
+class HandlerSettings:
+    """Settings of torch's handler; the defaults favour fast recovery (see create_handler)."""
+
+    join_timeout: int = 600
+    last_call_timeout: int = 2
+    close_timeout: int = 30
+    heartbeat_timeout: int = 5
+    keep_alive_interval: int = 1
+    keep_alive_max_attempt: int = 3
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """Everything parsed from torchrun's ``--rdzv-endpoint`` and ``--rdzv-conf``."""
+
+    client: EtcdClientConfig
+    key_prefix: str = "/elastic_train"
+    ttl: int = 7200
+    secret: bytes | None = field(default=None, repr=False)
+    handler: HandlerSettings = HandlerSettings()
+
+
+_CLIENT_KEYS = ("protocol", "cacert", "cert", "key", "username", "password")
+_ACCEPTED_KEYS = frozenset(
+    {*_CLIENT_KEYS, "dial_timeout", "read_timeout", "key_prefix", "ttl", "secret_file"}
+    | set(HandlerSettings.__dataclass_fields__)
+    # torchrun's launcher always adds "timeout"; the dynamic handler ignores it.
+    | {"timeout"}
+)
+
+
+def parse_config(params: RendezvousParameters) -> RendezvousConfig:
+    """Validate ``params``; every error is a ``ValueError`` naming the key and accepted values."""
+    unknown = sorted(set(params.config) - _ACCEPTED_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown rdzv-conf key(s) {unknown}; accepted keys: {sorted(_ACCEPTED_KEYS)}"
+        )
+    endpoints = tuple(e.strip() for e in (params.endpoint or "").split(",") if e.strip())
+    if "password" in params.config:
+        log.warning(
+            "etcd_password_in_rdzv_conf",
+            hint="the process list and torchrun's log show --rdzv-conf; use ETCD_PASSWORD",
+        )
+    client = EtcdClientConfig(
+        endpoints=endpoints,
+        protocol=str(params.get("protocol", "http")).strip().lower(),
+        cacert=params.get("cacert"),
+        cert=params.get("cert"),
+        key=params.get("key"),
+        username=params.get("username") or os.environ.get("ETCD_USERNAME"),
+        password=params.get("password") or os.environ.get("ETCD_PASSWORD"),
+        dial_timeout=_number(params, "dial_timeout", 5.0, float),
+        read_timeout=_number(params, "read_timeout", 10.0, float),
+    )
+    handler = HandlerSettings(
+        **{
+            name: _number(params, name, spec.default, int)
+            for name, spec in HandlerSettings.__dataclass_fields__.items()
+        }
+    )
+    key_prefix = str(params.get("key_prefix", "/elastic_train")).rstrip("/")
+    if not key_prefix.startswith("/"):
+        raise ValueError(
+            f"key_prefix={key_prefix!r} is invalid; accepted values: an absolute key "
+            "prefix such as /elastic_train"
+        )
+    return RendezvousConfig(
+        client=client,
+        key_prefix=key_prefix,
+        ttl=int(_number(params, "ttl", 7200, int)),
+        secret=_read_secret(params.get("secret_file")),
+        handler=handler,
+    )
+
+
+def _number(params: RendezvousParameters, key: str, default: Any, kind: type) -> Any:
+    raw = params.get(key, default)
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not value > 0 or isinstance(raw, bool):
+        raise ValueError(
+            f"rdzv-conf {key}={raw!r} is invalid; accepted values: a positive "
+            f"{'integer' if kind is int else 'number'} of "
+            f"{'attempts' if 'attempt' in key else 'seconds'}"
+        )
+    return value
+
+
+def _read_secret(secret_file: str | None) -> bytes | None:
+    if secret_file:
+        try:
+            secret = Path(secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"secret_file={secret_file!r} cannot be read: {exc.strerror}") from exc
+        if not secret:
+            raise ValueError(f"secret_file={secret_file!r} is empty; it must hold the job secret")
+        return secret
+    from_env = os.environ.get(SECRET_ENV, "").strip()
+    return from_env.encode() if from_env else None
+
+
+class EtcdV3RendezvousBackend(RendezvousBackend):
+    """Holds torch's rendezvous state in one etcd key; the fencing token is its mod_revision.
+
+    Args:
+        client: the etcd client.
+        name: the backend name torchrun was asked for (``etcd-v3`` or ``etcd``).
+        key: the etcd key of the state.
+        ttl: seconds the key outlives its last write (a lease, renewed on write).
+        secret: the job secret that signs and verifies each state; ``None``: unsigned.
+    """
+
+    def __init__(
+        self, client: EtcdClient, *, name: str, key: str, ttl: int = 7200, secret: bytes | None
+    ) -> None:
+        self._client = client
+        self._name = name
+        self._key = key.encode()
+        self._lease = LeaseKeeper(client, ttl)
+        self._secret = secret
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        current, _ = self._etcd(lambda: self._client.get(self._key))
+        if current is None:
+            return None
+        return self._decode(current.value), current.mod_revision
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        revision = 0 if token is None else _parse_token(token)
+        if revision is None:  # invalid: write nothing, report the current state
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        encoded = self._encode(state)
+        written, current, new_revision = self._etcd(
+            lambda: self._lease.run(
+                lambda lease: self._client.put_if_revision(
+                    self._key, encoded, mod_revision=revision, lease=lease
+                )
+            )
+        )
+        if written:
+            return state, new_revision, True
+        if current is None:
+            return None
+        return self._decode(current.value), current.mod_revision, False
+
+    def _etcd(self, request: Callable[[], T]) -> T:
+        try:
+            return request()
+        except EtcdUnavailableError as exc:
+            raise RendezvousConnectionError(f"etcd is unreachable: {exc}") from exc
+        except EtcdError as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+
+    def _encode(self, state: bytes) -> bytes:
+        if self._secret is None:
+            return _MAGIC + _DIGEST + hashlib.sha256(state).digest() + state
+        return _MAGIC + _SIGNED + self._mac(state) + state
+
+    def _mac(self, state: bytes) -> bytes:
+        assert self._secret is not None
+        # Binding the key stops a signed state from being replayed into another run.
+        return hmac.new(self._secret, self._key + b"\n" + state, hashlib.sha256).digest()
+
+    def _decode(self, value: bytes) -> bytes:
+        kind, tag, state = value[4:5], value[5:_HEADER_LEN], value[_HEADER_LEN:]
+        if (
+            not value.startswith(_MAGIC)
+            or len(value) < _HEADER_LEN
+            or kind not in (_SIGNED, _DIGEST)
+        ):
+            self._reject("corrupt", "not written by elastic_train's etcd v3 backend")
+        if kind == _DIGEST and self._secret is not None:
+            self._reject("unsigned", "a job secret is set, so unsigned states are refused")
+        if kind == _SIGNED and self._secret is None:
+            self._reject("signed", f"it is signed but no job secret is set ({SECRET_ENV})")
+        expected = self._mac(state) if kind == _SIGNED else hashlib.sha256(state).digest()
+        if not hmac.compare_digest(tag, expected):
+            self._reject("bad_signature" if kind == _SIGNED else "corrupt", "checksum mismatch")
+        return state
+
+    def _reject(self, reason: str, detail: str) -> None:
+        key = self._key.decode(errors="replace")
+        log.error("rendezvous_state_rejected", key=key, reason=reason, detail=detail)
+        raise RendezvousStateError(f"refused the rendezvous state at etcd key {key!r}: {detail}")
+
+
+def _parse_token(token: Token) -> int | None:
+    if isinstance(token, bool):
+        return None
+    if isinstance(token, int):
+        return token if token > 0 else None
+    if isinstance(token, str | bytes) and token.isdigit() and int(token) > 0:
+        return int(token)
+    return None
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    """``(backend, store)`` for ``params``, like torch's ``etcd_rendezvous_backend.create_backend``.
+
+    Keys: ``{key_prefix}/{run_id}/state`` and the store under ``{key_prefix}/{run_id}/store/``.
+    See :func:`create_handler` for every rdzv-conf key.
+    """
+    return _create_backend(params, parse_config(params))
+
+
+def _create_backend(
+    params: RendezvousParameters, config: RendezvousConfig
+) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    if not params.run_id:
+        raise ValueError("run_id is empty; pass --rdzv-id")
+    client = EtcdClient(config.client)
+    run_prefix = f"{config.key_prefix}/{params.run_id}"
+    backend = EtcdV3RendezvousBackend(
+        client, name=params.backend, key=f"{run_prefix}/state", ttl=config.ttl, secret=config.secret
+    )
+    store = EtcdV3Store(client, f"{run_prefix}/store", lease_ttl=config.ttl)
+    return backend, store
+
+
+class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
+    """torch's handler, made to ride out etcd outages.
+
+    A rendezvous retries connection failures until ``join_timeout``; an etcd
+    outage while training runs is logged and otherwise ignored, because the
+    agent polls :meth:`num_nodes_waiting` and would stop the job on an error.
+    """
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        join_s = self.settings.timeout.join.total_seconds()
+        deadline = time.monotonic() + join_s
+        while True:
+            try:
+                return super().next_rendezvous()
+            except RendezvousConnectionError as exc:
+                if time.monotonic() >= deadline:
+                    raise RendezvousConnectionError(
+                        f"rendezvous '{self.settings.run_id}' failed: etcd unreachable for "
+                        f"join_timeout={join_s:g}s: {exc}"
+                    ) from exc
+                log.warning("rendezvous_etcd_retry", run_id=self.settings.run_id, error=str(exc))
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def num_nodes_waiting(self) -> int:
+        try:
+            return super().num_nodes_waiting()
+        except RendezvousConnectionError as exc:
+            log.warning("rendezvous_etcd_unreachable", run_id=self.settings.run_id, error=str(exc))
+            return 0
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The torchrun handler creator for ``etcd-v3`` and ``etcd``.
+
+    ``--rdzv-endpoint`` takes ``host[:port][,host[:port]...]``: the members of one
+    etcd cluster, tried in turn. ``--rdzv-conf`` keys (torch's defaults in brackets):
+
+    ======================  ==========  ==================================================
+    key                     default     why
+    ======================  ==========  ==================================================
+    protocol                http        ``https`` for TLS; cacert/cert/key as torch's etcd
+    cacert, cert, key       none        CA bundle, client certificate and its key (files)
+    username, password      env         default ``ETCD_USERNAME``/``ETCD_PASSWORD``
+    dial_timeout            5 s         bound on reaching some member: nothing hangs
+    read_timeout            10 s        per request; covers an etcd leader election
+    key_prefix              /elastic_   keys go under ``{key_prefix}/{run_id}/``; grant the
+                            train       etcd role readwrite on this prefix
+    ttl                     7200 s      lease of every key, renewed on write: abandoned
+                                        runs clean themselves up
+    secret_file             env         HMAC key file; default ``ELASTIC_TRAIN_RDZV_SECRET``
+    join_timeout            600 s       also how long a rendezvous rides out an etcd outage
+    last_call_timeout       2 s [30]    survivors of a failure re-join within one 1 s poll
+                                        of each other; 2 s catches them all in one round
+    keep_alive_interval     1 s [5]     heartbeat period; a dead node is pruned after
+    keep_alive_max_attempt  3 [3]       interval x attempts = 3 s instead of 15 s (still
+                                        3 missed beats, tolerant of a stalled agent)
+    close_timeout           30 s        torch's default
+    heartbeat_timeout       5 s         torch's default
+    ======================  ==========  ==================================================
+
+    With these, losing one node of three recovers in a few seconds instead of
+    about 46 s. Clusters of hundreds of agents should raise keep_alive_interval:
+    every heartbeat is a compare-and-swap of the one state key.
+
+    The creator also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the
+    environment sets it: with torch's shared TCPStore a node joining a running
+    job hangs, because rank 0 does not republish ``MASTER_ADDR``/``MASTER_PORT``
+    into the new round's store.
+    """
+    config = parse_config(params)
+    backend, store = _create_backend(params, config)
+    if os.environ.setdefault(_SHARE_STORE_ENV, "1") == "1":
+        log.info("rendezvous_tcp_store_sharing_off", reason="lets nodes join a running job")
+    if params.backend == "etcd":
+        log.info(
+            "etcd_backend_takeover",
+            message="rendezvous backend 'etcd' is served by elastic_train's etcd v3 backend "
+            f"(set {NO_TAKEOVER_ENV}=1 for torch's v2-API backend)",
+        )
+    settings = config.handler
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=settings.join_timeout),
+        last_call=timedelta(seconds=settings.last_call_timeout),
+        close=timedelta(seconds=settings.close_timeout),
+        heartbeat=timedelta(seconds=settings.heartbeat_timeout),
+    )
+    handler = EtcdV3RendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=settings.keep_alive_interval,
+        keep_alive_max_attempt=settings.keep_alive_max_attempt,
+    )
+    return node_agent.wrap_handler(handler, params)
+
+
+HandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
+
+
+def etcd_v3_handler_entry_point() -> HandlerCreator:
+    """``torchrun.handlers`` entry point ``etcd-v3``."""
+    return create_handler
+
+
+def etcd_takeover_entry_point() -> HandlerCreator:
+    """``torchrun.handlers`` entry point ``etcd``: serve torchrun's default backend name.
+
+    torch registers its v2-API ``etcd`` creator first and refuses a different
+    creator under that name, so this replaces the registry entry itself and
+    returns the same creator (torchrun's ``register`` call is then a no-op).
+    ``ELASTIC_TRAIN_NO_ETCD_TAKEOVER=1`` keeps torch's backend.
+    ``tests/test_rendezvous_backend.py`` fails if a torch upgrade breaks this.
+    """
+    registry: dict[str, HandlerCreator] = rendezvous_handler_registry._registry
+    if os.environ.get(NO_TAKEOVER_ENV) == "1":
+        return registry["etcd"]
+    registry["etcd"] = create_handler
+    return create_handler
