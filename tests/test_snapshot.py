@@ -1,0 +1,253 @@
+"""Shared-memory snapshots: double buffering, torn writes, size bound, restore agreement."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic_train.errors import SnapshotError
+from elastic_train.snapshot import Agreement, SnapshotStore, broadcast_state, decide
+
+FP = "fp-snap"
+
+
+@pytest.fixture
+def shm_root(tmp_path: Path) -> Path:
+    """A private root: /dev/shm itself where it exists (the real tmpfs), else tmp_path."""
+    if Path("/dev/shm").is_dir():
+        return Path("/dev/shm")
+    return tmp_path
+
+
+@pytest.fixture
+def store(shm_root: Path) -> Iterator[SnapshotStore]:
+    snapshot = SnapshotStore(f"test-{uuid.uuid4().hex[:12]}", fingerprint=FP, root=shm_root)
+    yield snapshot
+    snapshot.remove()
+
+
+def _state(step: int, numel: int = 1000) -> dict:
+    return {"model": {"w": torch.full((numel,), float(step))}, "step": step}
+
+
+def test_newest_snapshot_wins_and_the_directory_is_private(store: SnapshotStore) -> None:
+    assert store.load(map_location="cpu") is None and store.latest_step() is None
+    for step in (1, 2, 3):
+        store.save(step, _state(step), blocking=True)
+    step, state = store.load(map_location="cpu")
+    assert step == 3 and torch.equal(state["model"]["w"], torch.full((1000,), 3.0))
+    info = store.directory.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    assert sorted(p.name for p in store.directory.iterdir()) == ["HEAD", "slot-0", "slot-1"]
+    store.remove()
+    assert not store.directory.exists()
+
+
+def test_async_save_copies_before_returning(store: SnapshotStore) -> None:
+    state = _state(1, numel=2_000_000)
+    store.save(1, state)
+    state["model"]["w"].add_(5.0)  # the next optimizer step mutates the live tensors
+    store.flush()
+    stats = store.last_stats
+    assert stats is not None and stats.write_seconds is not None
+    assert stats.blocked_seconds < stats.copy_seconds + stats.write_seconds
+    assert store.load(map_location="cpu")[1]["model"]["w"][0] == 1.0
+
+
+def test_a_damaged_current_slot_falls_back_to_the_other(store: SnapshotStore) -> None:
+    store.save(1, _state(1), blocking=True)
+    store.save(2, _state(2), blocking=True)
+    head = json.loads((store.directory / "HEAD").read_text())
+    current = store.directory / f"slot-{head['slot']}"
+    data = bytearray(current.read_bytes())
+    data[-100] ^= 0xFF
+    current.write_bytes(bytes(data))
+    assert store.load(map_location="cpu")[0] == 1
+
+
+def test_a_snapshot_of_another_config_is_not_used(store: SnapshotStore) -> None:
+    store.save(1, _state(1), blocking=True)
+    other = SnapshotStore(
+        store.directory.name.split("-", 2)[2],
+        fingerprint="other",
+        root=store.directory.parent,
+        is_writer=False,
+    )
+    assert other.load(map_location="cpu") is None
+
+
+def test_a_state_that_does_not_fit_is_refused_clearly(shm_root: Path) -> None:
+    store = SnapshotStore(
+        f"test-{uuid.uuid4().hex[:12]}", fingerprint=FP, root=shm_root, max_bytes=4 << 20
+    )
+    try:
+        store.save(1, _state(1), blocking=True)
+        with pytest.raises(SnapshotError, match=r"needs about .* MiB .*max_bytes=4194304"):
+            store.save(2, _state(2, numel=2_000_000))
+        assert store.load(map_location="cpu")[0] == 1
+    finally:
+        store.remove()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(mount_point)],
+        capture_output=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_full_shm_is_refused_and_keeps_the_previous_snapshot(tiny_tmpfs: Path) -> None:
+    store = SnapshotStore("tiny", fingerprint=FP, root=tiny_tmpfs)
+    store.save(1, _state(1, numel=100_000), blocking=True)  # 400 kB
+    with pytest.raises(SnapshotError, match="enlarge /dev/shm"):
+        store.save(2, _state(2, numel=1_000_000), blocking=True)  # 4 MB
+    assert store.load(map_location="cpu")[0] == 1
+
+
+def test_run_id_is_validated(shm_root: Path) -> None:
+    with pytest.raises(SnapshotError, match="run_id"):
+        SnapshotStore("../etc", fingerprint=FP, root=shm_root)
+
+
+# ------------------------------------------------------------- torn writes, real kills
+
+_CHILD = textwrap.dedent(
+    """
+    import resource, signal, sys
+    import torch
+    from elastic_train.snapshot import SnapshotStore
+
+    run_id, root, mode = sys.argv[1:4]
+    store = SnapshotStore(run_id, fingerprint="fp-snap", root=root)
+    def state(step, numel):
+        return {"model": {"w": torch.full((numel,), float(step))}, "step": step}
+    if mode == "rlimit":
+        store.save(1, state(1, 1000), blocking=True)
+        store.save(2, state(2, 1000), blocking=True)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it by default
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        store.save(3, state(3, 4_000_000), blocking=True)  # killed halfway through
+    else:
+        step = 0
+        while True:  # the parent SIGKILLs us at an arbitrary point
+            step += 1
+            store.save(step, state(step, 2_000_000), blocking=True)
+    """
+)
+
+
+def _child(run_id: str, root: Path, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _CHILD, run_id, str(root), mode])
+
+
+def test_a_copy_killed_halfway_is_never_used(shm_root: Path) -> None:
+    run_id = f"test-{uuid.uuid4().hex[:12]}"
+    child = _child(run_id, shm_root, "rlimit")
+    assert child.wait(timeout=120) == -signal.SIGXFSZ
+    store = SnapshotStore(run_id, fingerprint=FP, root=shm_root)
+    try:
+        step, state = store.load(map_location="cpu")
+        assert step == 2 and torch.equal(state["model"]["w"], torch.full((1000,), 2.0))
+        assert len((store.directory / "slot-0").read_bytes()) > 1 << 19  # really torn
+    finally:
+        store.remove()
+
+
+def test_sigkill_at_an_arbitrary_moment_leaves_a_consistent_snapshot(shm_root: Path) -> None:
+    run_id = f"test-{uuid.uuid4().hex[:12]}"
+    store = SnapshotStore(run_id, fingerprint=FP, root=shm_root)
+    child = _child(run_id, shm_root, "loop")
+    try:
+        deadline = time.monotonic() + 60
+        head = store.directory / "HEAD"
+        while not (head.exists() and json.loads(head.read_text())["step"] >= 3):
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        step, state = store.load(map_location="cpu")
+        assert step >= 3 and torch.equal(state["model"]["w"], torch.full((2_000_000,), float(step)))
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        store.remove()
+
+
+# ------------------------------------------------------------------ restore agreement
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        ([(-1, 10), (12, 10), (12, 10)], Agreement("snapshot", 12, 1)),
+        ([(5, 7), (-1, 7), (3, 7)], Agreement("disk", 7, 0)),
+        ([(7, 7), (-1, 7)], Agreement("snapshot", 7, 0)),  # a tie goes to memory
+        ([(-1, -1), (-1, -1)], Agreement("none", 0, -1)),
+        ([(-1, -1), (-1, 4)], Agreement("disk", 4, 1)),
+    ],
+)
+def test_decide_picks_the_newest_and_a_holder(rows: list, expected: Agreement) -> None:
+    table = torch.tensor(rows, dtype=torch.int64)
+    assert decide(table, list(range(len(rows)))) == expected
+
+
+def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
+    from elastic_train.snapshot import agree_on_newest
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        # Each rank is a "node" with its own /dev/shm; rank 0 is a new, empty node.
+        store = SnapshotStore("agree", fingerprint=FP, root=Path(root) / f"node{rank}")
+        if rank > 0:
+            store.save(
+                10 + rank, {"w": torch.arange(5.0) + 10 + rank, "step": 10 + rank}, blocking=True
+            )
+        snapshot = store.load(map_location="cpu")
+        agreement = agree_on_newest(
+            local_snapshot_step=snapshot[0] if snapshot else None, disk_step=9, group=None
+        )
+        mine = snapshot[1] if snapshot and snapshot[0] == agreement.step else None
+        state = broadcast_state(mine, agreement.owner_rank, None)
+        torch.save({"agreement": list(agreement), "state": state}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_group_agrees_and_ships_the_newest_snapshot_over_gloo(tmp_path: Path) -> None:
+    world = 3
+    for rank in range(world):
+        (tmp_path / f"node{rank}").mkdir()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    # fork: the children skip re-importing torch, which dominates on a 2-core box
+    mp.start_processes(
+        _worker, args=(world, init, str(tmp_path), str(tmp_path)), nprocs=world, start_method="fork"
+    )
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    for result in results:
+        assert result["agreement"] == ["snapshot", 12, 2]
+        assert torch.equal(result["state"]["w"], torch.arange(5.0) + 12)
+        assert result["state"]["step"] == 12
