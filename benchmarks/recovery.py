@@ -1,30 +1,33 @@
 """Recovery after losing a node: three nodes train, one node's agent and
 workers are SIGKILLed, and we time kill -> first completed step at world size 2.
 
-Breakdown (seconds after the kill, from the survivors' agent log lines and the
-audit records): a survivor's worker saw the peer error, failure noticed (an agent saw its worker group fail), dead
-node pruned (only where the backend logs it above DEBUG: torch's
-dynamic rendezvous logs it at DEBUG on a logger torchrun leaves at INFO, so it
-is null for the torch backends), round closed (an agent's
-"Rendezvous complete"), workers spawned ("Starting worker group"), checkpoint
-restored (the workers' ``resume`` record), first step.
+Breakdown (seconds after the kill, from the survivors' agent log lines and
+the audit records): a survivor's worker saw the peer error; failure noticed
+(an agent saw its worker group fail); dead node pruned (only where the backend
+logs it above DEBUG: torch's dynamic rendezvous logs it at DEBUG on a logger
+torchrun leaves at INFO, so it is null for the torch backends); round closed
+(an agent's "Rendezvous complete"); workers spawned ("Starting worker group");
+checkpoint restored (the workers' ``resume`` record); first step.
 
-Lost steps = the highest step completed before the restarted workers resumed
-minus the step they restored.
+Recovery seconds and lost steps are audited exactly as the local runner's
+summary does (``elastic_train.chaos.recovery_after``): kill -> the last rank's
+record of the first step of the first attempt started after the kill; lost =
+the highest step completed before the kill minus the step that attempt
+restored.
 
     python -m benchmarks.recovery --repeats 5
 """
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.cluster import BenchCluster, ClusterSpec
+from benchmarks.cluster import BenchCluster
 from benchmarks.harness import Competitor
 from benchmarks.workloads import Workload
+from elastic_train.chaos import Recovery
 
 #: (breakdown key, regex over the survivors' agent output).
 STAGES = (
@@ -53,37 +56,33 @@ def measure(
     timeout: float = 150.0,
     workload: Workload | None = None,
 ) -> dict[str, Any]:
-    spec = ClusterSpec(comp, workload or Workload(), min_nodes=nodes - 1, max_nodes=nodes)
-    with BenchCluster(spec, workdir) as cluster:
-        for i in range(nodes):
-            cluster.add_node(f"node{i}")
-        cluster.wait(
-            f"step {warmup_steps} at world size {nodes}",
-            lambda: any(r["step"] >= warmup_steps for r in cluster.audit.steps(world_size=nodes)),
-            timeout=timeout,
+    spec = {"nodes": nodes, "min_nodes": nodes - 1, "max_nodes": nodes}
+    with BenchCluster(comp, workload or Workload(), workdir, **spec) as cluster:
+        cluster.wait_step(warmup_steps, world_size=nodes, timeout=timeout)
+        victim = nodes - 1
+        killed = cluster.deliver("kill", victim)
+        rec = cluster.wait_recovery(
+            kind="kill", node=victim, event_time=killed, world_size=nodes - 1, timeout=timeout
         )
-        victim = cluster.nodes[f"node{nodes - 1}"]
-        killed = victim.signal_all(signal.SIGKILL)
-        first = cluster.wait(
-            f"first step at world size {nodes - 1}",
-            cluster.first_step(after=killed, world_size=nodes - 1),
-            timeout=timeout,
-        )
-        survivors = [n for n in cluster.nodes.values() if n is not victim]
-        run: dict[str, Any] = {"recovery_seconds": first["time"] - killed}
-        for key, pattern in STAGES:
-            stamps = [n.first_line(pattern, after=killed) for n in survivors]
-            seen = [s - killed for s in stamps if s is not None]
-            run[f"{key}_seconds"] = min(seen) if seen else None
-        resumes = cluster.audit.resumes(after=killed)
-        restored = min(resumes, key=lambda r: r["time"]) if resumes else None
-        run["restored_seconds"] = restored["time"] - killed if restored else None
-        last_before = cluster.audit.last_step_before(restored["time"] if restored else killed)
-        run["last_step_before_kill"] = last_before
-        run["restored_step"] = restored["restored_step"] if restored else None
-        run["restore_source"] = restored.get("source") if restored else None
-        run["lost_steps"] = last_before - restored["restored_step"] if restored else None
-        return run
+        survivors = [f"node{i}" for i in range(nodes - 1)]
+        return {**recovery_json(rec), **breakdown(cluster, killed, survivors)}
+
+
+def recovery_json(rec: Recovery) -> dict[str, Any]:
+    out = rec.to_json()
+    out["recovery_seconds"] = out.pop("seconds")
+    return out
+
+
+def breakdown(cluster: BenchCluster, event_time: float, nodes: list[str]) -> dict[str, Any]:
+    """Seconds from the event to each stage (None when a stage left no trace)."""
+    out: dict[str, Any] = {}
+    for key, pattern in STAGES:
+        stamp = cluster.logs.first(pattern, after=event_time, nodes=nodes)
+        out[f"{key}_seconds"] = None if stamp is None else stamp - event_time
+    resumes = [r.time for r in cluster.tail.log.resumes if r.time >= event_time]
+    out["restored_seconds"] = min(resumes) - event_time if resumes else None
+    return out
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:

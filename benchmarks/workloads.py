@@ -1,56 +1,96 @@
-"""The training workload every competitor runs, and the worker command line
-that makes each competitor's script run exactly that workload."""
+"""The training workload every competitor runs, and the runner spec that
+makes each competitor's script run exactly that workload."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from elastic_train.cluster import MAIN_SCRIPT, ClusterSpec
 
 if TYPE_CHECKING:
     from benchmarks.harness import Competitor
+
+#: For every competitor: one intra-op thread per worker (fewer cores than
+#: workers here), and torch's agents logging at INFO, which is where their
+#: "Worker group FAILED" / "Rendezvous complete" lines (the breakdown) are.
+BENCH_ENV = (("OMP_NUM_THREADS", "1"), ("LOGLEVEL", "INFO"))
 
 PLAIN_SCRIPT = Path(__file__).resolve().parent / "competitors" / "plain_ddp.py"
 
 
 @dataclass(frozen=True)
 class Workload:
-    """Model, data and schedule; defaults are the recovery benchmark's small MLP."""
+    """elastic_train's ``mlp`` on its ``synthetic`` data; both scripts build these."""
 
     steps: int = 1_000_000
     global_batch_size: int = 64
-    dim: int = 32
-    hidden: int = 256
-    layers: int = 2
-    dataset_size: int = 65536
-    lr: float = 0.01
-    #: The plain script's rank-0 checkpoint interval, in steps.
-    ckpt_every: int = 50
+    num_features: int = 32
+    num_classes: int = 8
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_samples: int = 65536
+    #: The checkpoint interval in steps: elastic_train's default, given to the plain script.
+    ckpt_every: int = 25
+    #: Extra ``--section.key=value`` overrides for elastic_train only.
+    ours_overrides: tuple[str, ...] = ()
 
 
-def plain_args(workload: Workload, audit_dir: Path, ckpt_dir: Path) -> list[str]:
+def shared_args(workload: Workload) -> list[str]:
+    """The overrides both scripts understand (the plain script mirrors our flag names)."""
     return [
-        str(PLAIN_SCRIPT),
-        f"--steps={workload.steps}",
-        f"--global-batch-size={workload.global_batch_size}",
-        f"--dim={workload.dim}",
-        f"--hidden={workload.hidden}",
-        f"--layers={workload.layers}",
-        f"--dataset-size={workload.dataset_size}",
-        f"--lr={workload.lr}",
-        f"--ckpt-every={workload.ckpt_every}",
-        f"--ckpt-dir={ckpt_dir}",
-        f"--audit-dir={audit_dir}",
+        f"--training.steps={workload.steps}",
+        f"--training.global_batch_size={workload.global_batch_size}",
+        f"--model.hidden_size={workload.hidden_size}",
+        f"--model.num_layers={workload.num_layers}",
+        f"--data.num_samples={workload.num_samples}",
+        f"--data.num_features={workload.num_features}",
+        f"--data.num_classes={workload.num_classes}",
     ]
 
 
-def ours_args(workload: Workload, audit_dir: Path, ckpt_dir: Path) -> list[str]:
-    """elastic_train's entry script at its defaults, training the same MLP and data."""
-    raise NotImplementedError("elastic_train.main has not landed yet")
+def ours_args(workload: Workload) -> list[str]:
+    return [
+        "--model.name=mlp",
+        "--model.loss=cross_entropy",
+        "--data.name=synthetic",
+        *shared_args(workload),
+        *workload.ours_overrides,
+    ]
 
 
-def worker_command(
-    competitor: Competitor, workload: Workload, audit_dir: Path, ckpt_dir: Path
-) -> list[str]:
-    build = ours_args if competitor.ours else plain_args
-    return build(workload, audit_dir, ckpt_dir)
+def plain_args(workload: Workload) -> list[str]:
+    return [
+        *shared_args(workload),
+        f"--checkpoint.interval_steps={workload.ckpt_every}",
+        "--checkpoint.dir={checkpoint_dir}",
+        "--logging.audit_dir={audit_dir}",
+    ]
+
+
+def cluster_spec(
+    competitor: Competitor, workload: Workload, *, rdzv_endpoint: str | None, **spec: Any
+) -> ClusterSpec:
+    """The runner spec for ``competitor``; ``spec`` are ClusterSpec fields (nodes, ...)."""
+    conf = competitor.rdzv_conf
+    if competitor.rdzv_backend == "c10d":
+        conf = f"{conf},is_host=0" if conf else "is_host=0"
+    script, args = (
+        (str(MAIN_SCRIPT), ours_args(workload))
+        if competitor.ours
+        else (str(PLAIN_SCRIPT), plain_args(workload))
+    )
+    env = (*BENCH_ENV, *competitor.env, *spec.pop("env", ()))
+    return ClusterSpec(
+        script=script,
+        script_args=tuple(args),
+        trainer_args=competitor.ours,
+        rdzv_backend=competitor.rdzv_backend,
+        rdzv_conf=conf,
+        rdzv_endpoint=rdzv_endpoint,
+        env=env,
+        # Teardown between repetitions: the benchmark has its numbers by then.
+        grace_s=0.5,
+        **spec,
+    )

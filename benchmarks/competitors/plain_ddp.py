@@ -10,8 +10,8 @@ the same way. Each global batch is a slice of a seeded permutation and each
 rank takes a contiguous shard, so resuming at step ``s`` replays exactly the
 samples of steps after ``s``.
 
-The model and data factories are importable (``build_model``,
-``build_dataset``) so elastic_train can train the identical workload.
+The model and the data are elastic_train's registered ``mlp`` and
+``synthetic`` factories, so both scripts train the identical workload.
 """
 
 from __future__ import annotations
@@ -31,42 +31,43 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-
-def build_model(*, dim: int = 32, hidden: int = 256, layers: int = 2) -> nn.Module:
-    """A small MLP regressor (seeded so every run starts from the same weights)."""
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    width = dim
-    for _ in range(layers):
-        blocks += [nn.Linear(width, hidden), nn.ReLU()]
-        width = hidden
-    blocks.append(nn.Linear(width, 1))
-    return nn.Sequential(*blocks)
+from elastic_train.config import DataConfig, ModelConfig
+from elastic_train.datasets import synthetic
+from elastic_train.models import mlp
 
 
-def build_dataset(*, size: int = 65536, dim: int = 32) -> torch.utils.data.TensorDataset:
-    """Synthetic linear regression with noise, identical in every process."""
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(size, dim, generator=gen)
-    w = torch.randn(dim, 1, generator=gen)
-    y = x @ w + 0.1 * torch.randn(size, 1, generator=gen)
-    return torch.utils.data.TensorDataset(x, y)
+def build(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """elastic_train's ``mlp`` and ``synthetic`` data: the very workload our trainer runs."""
+    data = synthetic(
+        DataConfig(
+            name="synthetic",
+            num_samples=args.num_samples,
+            num_features=args.num_features,
+            num_classes=args.num_classes,
+        )
+    )
+    torch.manual_seed(args.seed)
+    model = mlp(ModelConfig(hidden_size=args.hidden_size, num_layers=args.num_layers), data.info)
+    inputs, targets = data.dataset.tensors  # type: ignore[attr-defined]
+    return model, inputs, targets
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags named like elastic_train's overrides, so the harness passes the same ones."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=1000, help="total optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=64)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dataset-size", type=int, default=65536)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ckpt-dir", type=Path, required=True)
-    p.add_argument("--ckpt-every", type=int, default=50, help="rank-0 save interval, steps")
-    p.add_argument("--audit-dir", type=Path, default=None)
-    p.add_argument("--pg-timeout", type=float, default=60.0, help="process group timeout, s")
+    p.add_argument("--training.steps", dest="steps", type=int, default=1000)
+    p.add_argument("--training.global_batch_size", dest="global_batch_size", type=int, default=64)
+    p.add_argument("--training.seed", dest="seed", type=int, default=0)
+    p.add_argument("--model.hidden_size", dest="hidden_size", type=int, default=256)
+    p.add_argument("--model.num_layers", dest="num_layers", type=int, default=2)
+    p.add_argument("--data.num_samples", dest="num_samples", type=int, default=65536)
+    p.add_argument("--data.num_features", dest="num_features", type=int, default=32)
+    p.add_argument("--data.num_classes", dest="num_classes", type=int, default=8)
+    p.add_argument("--optimizer.lr", dest="lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint.dir", dest="ckpt_dir", type=Path, required=True)
+    p.add_argument("--checkpoint.interval_steps", dest="ckpt_every", type=int, default=25)
+    p.add_argument("--logging.audit_dir", dest="audit_dir", type=Path, default=None)
+    p.add_argument("--elastic.pg_timeout_seconds", dest="pg_timeout", type=float, default=60.0)
     return p.parse_args(argv)
 
 
@@ -115,31 +116,31 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if backend == "nccl" else "cpu")
 
-    model = build_model(dim=args.dim, hidden=args.hidden, layers=args.layers).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    model, inputs, targets = build(args)
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = args.ckpt_dir / "checkpoint.pt"
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     pos = load_checkpoint(ckpt, model, opt)
     ddp = DistributedDataParallel(model)
-    data = build_dataset(size=args.dataset_size, dim=args.dim)
 
     attempt = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(attempt, src=0)
     audit = Audit(args.audit_dir, attempt=str(attempt[0]), rank=rank, world=world)
     source = "disk" if pos["step"] else "none"
-    audit.write(kind="resume", restored_step=pos["step"], source=source)
+    audit.write(kind="resume", restored_step=pos["step"], source=source, dataset_len=len(inputs))
 
     step, epoch, position = pos["step"], pos["epoch"], pos["position"]
-    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed + epoch))
+    perm = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(args.seed + epoch))
     while step < args.steps:
-        if position >= len(data):
+        if position >= len(inputs):
             epoch, position = epoch + 1, 0
             gen = torch.Generator().manual_seed(args.seed + epoch)
-            perm = torch.randperm(len(data), generator=gen)
+            perm = torch.randperm(len(inputs), generator=gen)
         batch = perm[position : position + args.global_batch_size]
         mine = shard(batch, rank, world)
-        x, y = data.tensors[0][mine].to(device), data.tensors[1][mine].to(device)
-        loss = nn.functional.mse_loss(ddp(x), y)
+        x, y = inputs[mine].to(device), targets[mine].to(device)
+        loss = nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
