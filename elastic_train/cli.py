@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 
 from elastic_train.errors import ConfigError, ElasticTrainError
+from elastic_train.launch import add_spawn_subcommand
 from elastic_train.log import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -93,14 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-train", description="Elastic, fault-tolerant PyTorch training."
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser
 
 
 #: one ``add_*(subparsers)`` per subcommand; each sets ``handler(args, extra) -> int``
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_local]  # type: ignore[type-arg]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_local, add_spawn_subcommand]  # type: ignore[type-arg]
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -112,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "local":
+    if extra and args.command not in ("local", "spawn"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
