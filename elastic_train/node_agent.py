@@ -49,11 +49,13 @@ from elastic_train import metrics
 from elastic_train.errors import ConfigError
 from elastic_train.log import bind_context, get_logger
 
-__all__ = ["MetricsEndpoint", "MetricsEndpointConfig", "wrap_handler"]
+__all__ = ["RDZV_CONF_KEYS", "MetricsEndpoint", "MetricsEndpointConfig", "wrap_handler"]
 
 log = get_logger(__name__)
 
 DEFAULT_PORT = 9402
+#: The ``--rdzv-conf`` keys read here; a backend that validates its keys accepts these.
+RDZV_CONF_KEYS = frozenset({"metrics_port", "metrics_host", "metrics_dir"})
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
 
 

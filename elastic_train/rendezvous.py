@@ -85,6 +85,7 @@ _ACCEPTED_KEYS = frozenset(
     | set(HandlerSettings.__dataclass_fields__)
     # torchrun's launcher always adds "timeout"; the dynamic handler ignores it.
     | {"timeout"}
+    | node_agent.RDZV_CONF_KEYS
 )
 
 
