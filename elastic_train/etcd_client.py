@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from pyetcd import etcdrpc
 
+from elastic_train import metrics
 from elastic_train.errors import EtcdError, EtcdUnavailableError
 from elastic_train.log import get_logger
 
@@ -157,7 +158,7 @@ class EtcdClient:
 
     def get(self, key: bytes) -> tuple[KeyValue | None, int]:
         """The key's value (or ``None``) and the store revision of the read."""
-        resp = self._call(lambda m, kw: m.kv.Range(etcdrpc.RangeRequest(key=key), **kw))
+        resp = self._call(lambda m, kw: m.kv.Range(etcdrpc.RangeRequest(key=key), **kw), op="range")
         return (_kv(resp.kvs[0]) if resp.kvs else None), resp.header.revision
 
     def get_prefix(self, prefix: bytes, *, count_only: bool = False) -> tuple[list[KeyValue], int]:
@@ -165,7 +166,7 @@ class EtcdClient:
         request = etcdrpc.RangeRequest(
             key=prefix, range_end=_prefix_end(prefix), count_only=count_only
         )
-        resp = self._call(lambda m, kw: m.kv.Range(request, **kw))
+        resp = self._call(lambda m, kw: m.kv.Range(request, **kw), op="range")
         if count_only:
             return [], resp.count
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
@@ -173,7 +174,7 @@ class EtcdClient:
     def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         """Unconditional write; returns the new revision."""
         request = etcdrpc.PutRequest(key=key, value=value, lease=lease)
-        return self._call(lambda m, kw: m.kv.Put(request, **kw)).header.revision
+        return self._call(lambda m, kw: m.kv.Put(request, **kw), op="put").header.revision
 
     def put_if_revision(
         self, key: bytes, value: bytes, *, mod_revision: int, lease: int = 0
@@ -214,7 +215,7 @@ class EtcdClient:
             ],
             failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))],
         )
-        resp = self._call(lambda m, kw: m.kv.Txn(request, **kw))
+        resp = self._call(lambda m, kw: m.kv.Txn(request, **kw), op="txn")
         if resp.succeeded:
             return True, None, resp.header.revision
         kvs = resp.responses[0].response_range.kvs
@@ -222,11 +223,11 @@ class EtcdClient:
 
     def delete(self, key: bytes) -> bool:
         request = etcdrpc.DeleteRangeRequest(key=key)
-        return self._call(lambda m, kw: m.kv.DeleteRange(request, **kw)).deleted > 0
+        return self._call(lambda m, kw: m.kv.DeleteRange(request, **kw), op="delete").deleted > 0
 
     def grant_lease(self, ttl: int) -> int:
         request = etcdrpc.LeaseGrantRequest(TTL=ttl)
-        return self._call(lambda m, kw: m.lease.LeaseGrant(request, **kw)).ID
+        return self._call(lambda m, kw: m.lease.LeaseGrant(request, **kw), op="lease_grant").ID
 
     def refresh_lease(self, lease_id: int) -> int:
         """Renew a lease once; returns its new TTL, 0 when it has already expired."""
@@ -240,7 +241,7 @@ class EtcdClient:
             finally:
                 responses.cancel()
 
-        return self._call(keep_alive)
+        return self._call(keep_alive, op="lease_keepalive")
 
     def watch_once(self, key: bytes, *, prefix: bool, start_revision: int, timeout: float) -> bool:
         """Block until a change at or after ``start_revision`` (True) or ``timeout`` (False).
@@ -287,9 +288,13 @@ class EtcdClient:
         metadata = (("token", self._token),) if self._token else None
         return {"timeout": timeout, "metadata": metadata}
 
-    def _call(self, rpc: Callable[[_Member, dict[str, Any]], T]) -> T:
+    def _call(self, rpc: Callable[[_Member, dict[str, Any]], T], *, op: str) -> T:
         """Run ``rpc`` on the current member, failing over until ``dial_timeout`` has passed
-        and every member has been tried."""
+        and every member has been tried; timed, and counted as an error if it raises."""
+        with metrics.etcd_timer(op):
+            return self._call_with_failover(rpc)
+
+    def _call_with_failover(self, rpc: Callable[[_Member, dict[str, Any]], T]) -> T:
         deadline = time.monotonic() + self.config.dial_timeout
         failures: dict[str, str] = {}
         reauthenticated = False
