@@ -33,6 +33,7 @@ __all__ = [
     "REDACTED",
     "bind_context",
     "configure_logging",
+    "configure_logging_if_unconfigured",
     "get_logger",
     "redact_secrets",
     "register_secret",
@@ -142,6 +143,16 @@ def configure_logging(*, level: str = "INFO", json: bool | None = None) -> None:
     root.setLevel(level.upper())
     _route_torch_logging()
     logging.captureWarnings(True)
+
+
+def configure_logging_if_unconfigured() -> None:
+    """Configure with the defaults unless this process set up logging already.
+
+    For code that runs inside someone else's process (the torchrun agent), where
+    the host may have chosen its own logging (a test runner, an application).
+    """
+    if not logging.getLogger().handlers:
+        configure_logging()
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -312,10 +313,10 @@ class ResourceSampler:
         self._sample_cuda()
 
     def _sample_cuda(self) -> None:
-        import torch  # the agent never samples; keep its import light
-
+        # A process that never imported torch has no CUDA memory to report.
+        torch = sys.modules.get("torch")
         # Children are made only here, so that a CPU-only node exports no GPU series.
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             GPU_ALLOCATED.labels(*self._labels).set(torch.cuda.memory_allocated())
             GPU_RESERVED.labels(*self._labels).set(torch.cuda.memory_reserved())
 

@@ -47,7 +47,12 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from elastic_train import metrics
 from elastic_train.errors import ConfigError
-from elastic_train.log import bind_context, get_logger
+from elastic_train.log import (
+    bind_context,
+    configure_logging_if_unconfigured,
+    get_logger,
+    register_secret,
+)
 
 __all__ = ["RDZV_CONF_KEYS", "MetricsEndpoint", "MetricsEndpointConfig", "wrap_handler"]
 
@@ -128,7 +133,6 @@ class MetricsEndpoint:
         self.directory = Path(
             tempfile.mkdtemp(prefix=f"elastic-train-metrics-{safe_run_id}-", dir=parent_dir)
         )
-        metrics.enable_multiprocess(self.directory)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_NodeCollector(self.directory))
         ProcessCollector(registry=registry)  # the agent's own process_* metrics
@@ -141,6 +145,8 @@ class MetricsEndpoint:
                 f"served ({exc.strerror or exc}); choose another metrics_port, 0 for a free "
                 "one, or 'off'"
             ) from exc
+        # Only once the endpoint is sure: this switch cannot be undone.
+        metrics.enable_multiprocess(self.directory)
         self.host = host
         self.port: int = self._server.server_port
         atexit.register(self.close)
@@ -221,6 +227,8 @@ class _TimedRendezvous:
 
 def wrap_handler(handler: Any, params: Any) -> Any:
     """Start the node's metrics endpoint and time ``handler``'s rounds; returns ``handler``."""
+    configure_logging_if_unconfigured()
+    register_secret(params.config.get("password"))
     config = MetricsEndpointConfig.from_params(params)
     node = metrics.node_name()
     bind_context(run_id=params.run_id, node=node)
