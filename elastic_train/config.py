@@ -77,8 +77,12 @@ class TrainingConfig:
     #: "per_worker": each worker takes worker_batch_size and the LR scales linearly.
     batch_mode: Literal["global", "per_worker"] = "global"
     seed: int = 0
-    #: Placeholder: mixed precision is a later feature.
-    precision: Literal["fp32"] = "fp32"
+    #: "bf16"/"fp16": torch.autocast mixed precision; fp16 adds a checkpointed GradScaler.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: DDP gradient compression hook; "fp16" is Horovod's Compression.fp16.
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = 1  # powersgd only: rank of the gradient approximation
+    powersgd_start_iter: int = 10  # powersgd only: plain all-reduce steps first
     #: The final loss is measured on the first this many training samples.
     final_loss_samples: int = 256
 
@@ -90,6 +94,7 @@ class TrainingConfig:
             "exactly one of training.steps and training.epochs must be > 0",
         )  # fmt: skip
         _positive(self, "global_batch_size", "worker_batch_size", "final_loss_samples")
+        _positive(self, "powersgd_rank", "powersgd_start_iter")
         _check(self, "micro_batch_size", self.micro_batch_size >= 0, "must be >= 0 (0: no limit)")
 
 
@@ -137,8 +142,11 @@ class CheckpointConfig:
     interval_seconds: float = 0.0
     keep: int = 3
     async_save: bool = True
+    #: Exit (code errors.EXIT_CHECKPOINT_FAILURES) after this many failed saves in a row.
+    max_consecutive_failures: int = 3
 
     def __post_init__(self) -> None:
+        _positive(self, "max_consecutive_failures")
         _check(self, "interval_steps", self.interval_steps >= 0, "must be >= 0 (0: off)")
         _check(self, "interval_seconds", self.interval_seconds >= 0, "must be >= 0 (0: off)")
         _positive(self, "keep")
@@ -153,9 +161,48 @@ class ElasticConfig:
     #: defaults (30 min gloo, 10 min NCCL) would stall the whole job that long.
     #: 60 s is far above any collective of a healthy step here.
     pg_timeout_seconds: float = 60.0
+    #: Kill a worker whose steps stop (stacks to the log, exit errors.EXIT_HANG).
+    watchdog: bool = True
+    #: Seconds without a completed step; 0: max(watchdog_floor_seconds,
+    #: watchdog_multiple x the median step time).
+    watchdog_timeout_seconds: float = 0.0
+    watchdog_multiple: float = 10.0
+    watchdog_floor_seconds: float = 60.0
+    #: The limit before the first step and during saves and evaluations.
+    watchdog_startup_seconds: float = 600.0
+    #: Besides SIGTERM, the signal that means "save and leave" (Slurm --signal=USR1@90).
+    preemption_signal: str = "SIGUSR1"
+    #: All-reduce the preemption flag every this many steps.
+    preemption_check_every: int = 1
 
     def __post_init__(self) -> None:
-        _positive(self, "pg_timeout_seconds")
+        _positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")
+        _positive(self, "watchdog_startup_seconds", "preemption_check_every")
+        _check(self, "watchdog_timeout_seconds", self.watchdog_timeout_seconds >= 0,
+               "must be >= 0 (0: adaptive)")  # fmt: skip
+        from elastic_train.preemption import parse_signal  # lazily: it imports torch
+
+        parse_signal(self.preemption_signal)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    SECTION: ClassVar[str] = "eval"
+    #: Evaluate every this many steps; 0: never during training.
+    every_steps: int = 0
+    #: Evaluate once more after the last step.
+    at_end: bool = False
+    #: A registered dataset name or an import string; "": the training dataset.
+    dataset: str = ""
+    #: Samples per forward pass; also the unit that is split across ranks.
+    batch_size: int = 64
+    #: Evaluate the first this many samples; 0: all of them.
+    max_samples: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self, "every_steps", self.every_steps >= 0, "must be >= 0 (0: off)")
+        _check(self, "max_samples", self.max_samples >= 0, "must be >= 0 (0: all)")
+        _positive(self, "batch_size")
 
 
 @dataclass(frozen=True)
@@ -181,6 +228,7 @@ class JobConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 

@@ -52,7 +52,8 @@ def parse_signal(name: str) -> signal.Signals:
         return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
     except (KeyError, ValueError) as exc:
         raise ConfigError(
-            f"preemption signal {name!r} is not a signal name; use e.g. SIGUSR1, SIGUSR2, SIGINT"
+            f"elastic.preemption_signal = {name!r} is not a signal name; "
+            "use e.g. SIGUSR1, SIGUSR2, SIGINT"
         ) from exc
 
 
