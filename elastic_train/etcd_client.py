@@ -303,7 +303,10 @@ class EtcdClient:
             try:
                 if self.config.username is not None and self._token is None:
                     self._authenticate(member)
-                return rpc(member, self._call_kwargs(self.config.read_timeout))
+                result = rpc(member, self._call_kwargs(self.config.read_timeout))
+                if failures:
+                    log.warning("etcd_failover", failed=failures, now=member.name)
+                return result
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAUTHENTICATED and not reauthenticated:
@@ -332,11 +335,8 @@ class EtcdClient:
 
     def _advance(self, failed: _Member) -> None:
         with self._lock:
-            if self._members[self._current] is failed and len(self._members) > 1:
+            if self._members[self._current] is failed:
                 self._current = (self._current + 1) % len(self._members)
-                log.warning(
-                    "etcd_failover", failed=failed.name, next=self._members[self._current].name
-                )
 
     def _translate(self, exc: grpc.RpcError, member: _Member) -> EtcdError:
         code, details = exc.code(), _details(exc)

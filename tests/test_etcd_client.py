@@ -1,0 +1,161 @@
+"""EtcdClient against a real etcd: bounded dialing, failover, transactions, watches, leases."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from elastic_train.errors import EtcdError, EtcdUnavailableError
+from elastic_train.etcd_client import (
+    EtcdClient,
+    EtcdClientConfig,
+    LeaseKeeper,
+    parse_endpoint,
+)
+from elastic_train.etcd_server import EtcdServer, free_port
+
+
+@pytest.fixture
+def client(etcd_server: EtcdServer) -> Iterator[EtcdClient]:
+    c = EtcdClient(EtcdClientConfig(endpoints=(etcd_server.endpoint,)))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A port that accepts TCP connections and never speaks (a hung or firewalled host)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(0)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _key(request: pytest.FixtureRequest) -> bytes:
+    return f"/test/client/{request.node.name}/{time.monotonic_ns()}".encode()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("h:1", ("h", 1)),
+        ("h", ("h", 2379)),
+        ("http://h:2", ("h", 2)),
+        ("[::1]:3", ("::1", 3)),
+    ],
+)
+def test_parse_endpoint(endpoint: str, expected: tuple[str, int]) -> None:
+    assert parse_endpoint(endpoint, protocol="http") == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"protocol": "grpc"}, "protocol='grpc'.*http, https"),
+        ({"cert": "/x"}, "protocol=https"),
+        ({"protocol": "https", "cert": "/x"}, "cert and key"),
+        ({"protocol": "https", "cacert": "/nonexistent/ca.pem"}, "cacert='/nonexistent/ca.pem'"),
+        ({"username": "u"}, "username and password"),
+        ({"dial_timeout": 0}, "dial_timeout=0"),
+        ({"endpoints": ("h:notaport",)}, "h:notaport"),
+        ({"endpoints": ("https://h:1",)}, "https://.*protocol=http"),
+        ({"endpoints": ()}, "endpoint is empty"),
+    ],
+)
+def test_config_errors_name_the_field(kwargs: dict, names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        EtcdClientConfig(**{"endpoints": ("127.0.0.1:2379",), **kwargs})
+
+
+def test_password_not_in_repr() -> None:
+    config = EtcdClientConfig(endpoints=("h:1",), username="u", password="hunter2")
+    assert "hunter2" not in repr(config)
+
+
+def test_refused_endpoint_fails_within_dial_timeout_naming_it() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    client = EtcdClient(EtcdClientConfig(endpoints=(endpoint,), dial_timeout=1))
+    start = time.monotonic()
+    with pytest.raises(EtcdUnavailableError, match=f"http://{endpoint}.*refused"):
+        client.get(b"/k")
+    assert time.monotonic() - start < 1.8
+
+
+def test_silent_endpoint_fails_within_dial_timeout_naming_it(silent_endpoint: str) -> None:
+    client = EtcdClient(EtcdClientConfig(endpoints=(silent_endpoint,), dial_timeout=1))
+    start = time.monotonic()
+    with pytest.raises(EtcdUnavailableError, match=silent_endpoint):
+        client.get(b"/k")
+    assert time.monotonic() - start < 1.8
+
+
+def test_fails_over_past_dead_and_silent_members(
+    etcd_server: EtcdServer, silent_endpoint: str
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    endpoints = (silent_endpoint, dead, etcd_server.endpoint)
+    client = EtcdClient(EtcdClientConfig(endpoints=endpoints, dial_timeout=1))
+    start = time.monotonic()
+    client.put(b"/test/failover", b"v")
+    assert time.monotonic() - start < 2.0  # one dial_timeout for the silent member
+    start = time.monotonic()
+    assert client.get(b"/test/failover")[0].value == b"v"
+    assert time.monotonic() - start < 0.5  # sticks to the live member
+
+
+def test_put_if_revision(client: EtcdClient, request: pytest.FixtureRequest) -> None:
+    key = _key(request)
+    assert client.put_if_revision(key, b"a", mod_revision=0)[0]
+    written, current, _ = client.put_if_revision(key, b"b", mod_revision=0)
+    assert not written and current.value == b"a"
+    written, _, revision = client.put_if_revision(key, b"b", mod_revision=current.mod_revision)
+    assert written
+    assert client.get(key)[0].mod_revision == revision
+
+
+def test_put_if_value(client: EtcdClient, request: pytest.FixtureRequest) -> None:
+    key = _key(request)
+    assert client.put_if_value(key, b"1", expected=None)[0]
+    written, current, _ = client.put_if_value(key, b"2", expected=b"0")
+    assert not written and current.value == b"1"
+    assert client.put_if_value(key, b"2", expected=b"1")[0]
+    assert client.get(key)[0].value == b"2"
+
+
+def test_watch_once_wakes_on_write_and_times_out(
+    client: EtcdClient, request: pytest.FixtureRequest
+) -> None:
+    key = _key(request)
+    _, revision = client.get(key)
+    start = time.monotonic()
+    assert client.watch_once(key, prefix=False, start_revision=revision + 1, timeout=0.3) is False
+    assert time.monotonic() - start >= 0.3
+    writer = threading.Timer(0.2, client.put, args=(key, b"v"))
+    writer.start()
+    assert client.watch_once(key, prefix=False, start_revision=revision + 1, timeout=10) is True
+    writer.join()
+
+
+def test_lease_keeper_key_expires_after_ttl(
+    client: EtcdClient, request: pytest.FixtureRequest
+) -> None:
+    key = _key(request)
+    keeper = LeaseKeeper(client, ttl=2)
+    keeper.run(lambda lease: client.put(key, b"v", lease=lease))
+    assert client.get(key)[0] is not None
+    deadline = time.monotonic() + 8
+    while client.get(key)[0] is not None:
+        assert time.monotonic() < deadline, "leased key outlived its TTL"
+        time.sleep(0.2)
+    # A write after expiry takes a fresh lease instead of failing.
+    keeper.run(lambda lease: client.put(key, b"again", lease=lease))
+    assert client.get(key)[0].value == b"again"
+
+
+def test_non_connection_errors_are_translated(client: EtcdClient) -> None:
+    with pytest.raises(EtcdError, match=r"etcd at http://.*INVALID_ARGUMENT"):
+        client.put(b"", b"v")  # etcd refuses an empty key
