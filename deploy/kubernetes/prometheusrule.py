@@ -1,4 +1,4 @@
-"""Writes prometheusrule.yaml from the Prometheus rules file: ``python deploy/kubernetes/prometheusrule.py``.
+"""Writes prometheusrule.yaml from the rules file: ``python deploy/kubernetes/prometheusrule.py``.
 
 The alert and recording rules have one source, ``deploy/prometheus/rules/``,
 which Prometheus, promtool and the compose stack read directly. The Prometheus
@@ -30,7 +30,10 @@ def render(rules_path: Path = RULES) -> str:
     rule = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": "elastic-train", "labels": {"app.kubernetes.io/name": "elastic-train"}},
+        "metadata": {
+            "name": "elastic-train",
+            "labels": {"app.kubernetes.io/name": "elastic-train"},
+        },
         "spec": groups,
     }
     return HEADER + yaml.safe_dump(rule, sort_keys=False, width=100)
