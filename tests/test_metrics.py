@@ -1,0 +1,201 @@
+"""Metrics: the worker API, and the agent's node endpoint with a real torchrun and etcd."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prom_tools import PROMTOOL, wait_for
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic_train import metrics
+from elastic_train.errors import ConfigError
+from elastic_train.etcd_server import free_port
+from elastic_train.node_agent import MetricsEndpoint, MetricsEndpointConfig
+
+NODE = metrics.node_name()
+
+
+def _value(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {"node": NODE, **labels}) or 0.0
+
+
+@pytest.fixture
+def worker() -> Iterator[metrics.WorkerMetrics]:
+    started = metrics.WorkerMetrics(rank=0, local_rank=0, world_size=2, recovery_started_at=None)
+    yield started
+    started.close()
+
+
+def test_step_completed_updates_training_series(worker: metrics.WorkerMetrics) -> None:
+    before = (_value("elastic_train_samples_total"), _value("elastic_train_steps_total"))
+    worker.step_completed(step=7, samples=16, seconds=0.25, loss=0.5, world_size=3)
+    assert _value("elastic_train_samples_total") == before[0] + 16
+    assert _value("elastic_train_steps_total") == before[1] + 1
+    assert _value("elastic_train_global_step") == 7
+    assert _value("elastic_train_loss") == 0.5
+    assert _value("elastic_train_world_size") == 3
+    assert _value("elastic_train_worker_resident_memory_bytes", local_rank="0") > 0
+
+
+def test_job_level_counts_come_from_rank_0_only() -> None:
+    other = metrics.WorkerMetrics(rank=1, local_rank=1, world_size=2)
+    try:
+        steps, lost = _value("elastic_train_steps_total"), _value("elastic_train_lost_steps_total")
+        samples = _value("elastic_train_samples_total")
+        other.resumed(restored_step=10, lost_steps=4)
+        other.step_completed(step=11, samples=8, seconds=0.1, loss=1.0, world_size=2)
+        assert _value("elastic_train_steps_total") == steps
+        assert _value("elastic_train_lost_steps_total") == lost
+        assert _value("elastic_train_samples_total") == samples + 8
+    finally:
+        other.close()
+
+
+def test_recovery_is_measured_once_from_the_agents_start_time() -> None:
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    started_at = __import__("time").time() - 5.0
+    restarted = metrics.WorkerMetrics.from_env(
+        {**env, metrics.RECOVERY_STARTED_AT_ENV: repr(started_at)}
+    )
+    try:
+        count = _value("elastic_train_recovery_seconds_count")
+        total = _value("elastic_train_recovery_seconds_sum")
+        restarted.resumed(restored_step=3, lost_steps=2)
+        for step in (4, 5):
+            restarted.step_completed(step=step, samples=4, seconds=0.1, loss=1.0, world_size=2)
+        assert _value("elastic_train_recovery_seconds_count") == count + 1
+        assert 5.0 <= _value("elastic_train_recovery_seconds_sum") - total < 60.0
+    finally:
+        restarted.close()
+
+
+def test_etcd_timer_records_duration_and_errors() -> None:
+    count = _value("elastic_train_etcd_request_duration_seconds_count", op="txn")
+    errors = _value("elastic_train_etcd_request_errors_total", op="txn")
+    with metrics.etcd_timer("txn"):
+        pass
+    with pytest.raises(TimeoutError), metrics.etcd_timer("txn"):
+        raise TimeoutError
+    assert _value("elastic_train_etcd_request_duration_seconds_count", op="txn") == count + 2
+    assert _value("elastic_train_etcd_request_errors_total", op="txn") == errors + 1
+
+
+def test_checkpoint_calls_set_the_last_good_checkpoint() -> None:
+    metrics.checkpoint_saved(step=40, seconds=1.5, bytes_written=1000)
+    assert _value("elastic_train_checkpoint_last_good_step") == 40
+    metrics.checkpoint_loaded(step=30, seconds=0.2, saved_at=1_700_000_000.0)
+    assert _value("elastic_train_checkpoint_last_good_step") == 30
+    assert _value("elastic_train_checkpoint_last_good_timestamp_seconds") == 1_700_000_000.0
+
+
+def _params(**conf: str) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", "127.0.0.1:2379", "run", 1, 2, **conf)
+
+
+def test_endpoint_settings_rdzv_conf_wins_over_environment() -> None:
+    env = {"ELASTIC_TRAIN_METRICS_PORT": "9500", "ELASTIC_TRAIN_METRICS_HOST": "127.0.0.1"}
+    assert MetricsEndpointConfig.from_params(_params(), env) == MetricsEndpointConfig(
+        port=9500, host="127.0.0.1"
+    )
+    config = MetricsEndpointConfig.from_params(_params(metrics_port="off"), env)
+    assert config.port is None and config.host == "127.0.0.1"
+    assert MetricsEndpointConfig.from_params(_params(), {}) == MetricsEndpointConfig(
+        port=9402, host="0.0.0.0"
+    )
+
+
+@pytest.mark.parametrize("port", ["http", "70000", "-1"])
+def test_bad_metrics_port_is_refused_naming_the_key(port: str) -> None:
+    with pytest.raises(ConfigError, match=r"metrics_port=.*0-65535.*'off'"):
+        MetricsEndpointConfig.from_params(_params(metrics_port=port), {})
+
+
+def test_a_busy_port_is_a_config_error_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"metrics_port={port}"):
+            MetricsEndpoint(host="127.0.0.1", port=port, parent_dir=tmp_path, run_id="r")
+    assert list(tmp_path.iterdir()) == []
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.mark.slow
+def test_agent_endpoint_keeps_counting_across_a_worker_restart(
+    etcd_endpoint: str, tmp_path: Path
+) -> None:
+    """One torchrun agent (2 workers) whose group fails once and restarts."""
+    parent = tmp_path / "metrics-parent"
+    parent.mkdir()
+    (parent / "not-ours.txt").write_text("must survive")
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    conf = f"metrics_port={port},metrics_host=127.0.0.1,metrics_dir={parent}"
+    env = {**os.environ, "ELASTIC_TRAIN_NODE": "nodeA", "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--max-restarts=1", "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_endpoint}",
+        f"--rdzv-id=metrics-{port}", f"--rdzv-conf={conf}",
+        str(Path(__file__).with_name("metrics_worker.py")), str(out),
+    ]  # fmt: skip
+    with open(tmp_path / "agent.log", "wb") as log:
+        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: len(list(out.glob("worker-*.json"))) == 2, timeout=60, what="workers")
+        reports = [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
+        text = _scrape(port)
+        values = _samples(text)
+        node = (("node", "nodeA"),)
+        # 3 steps before the crash and 3 after: the dead worker's counts were kept
+        assert values[("elastic_train_steps_total", node)] == 6
+        assert values[("elastic_train_samples_total", node)] == 2 * 6 * 4
+        assert values[("elastic_train_restarts_total", node)] == 1
+        assert values[("elastic_train_rendezvous_rounds_total", node)] == 2
+        assert values[("elastic_train_rendezvous_duration_seconds_count", node)] == 2
+        assert values[("elastic_train_recovery_seconds_count", node)] == 1
+        assert values[("elastic_train_world_size", node)] == 2
+        assert values[("elastic_train_min_nodes", node)] == 1
+        # the workers wrote into the agent's fresh directory under metrics_dir ...
+        (directory,) = {Path(r["dir"]) for r in reports}
+        assert directory.parent == parent
+        # ... where only live workers keep their 'live' gauge files
+        live = sorted(int(p.stem.rsplit("_", 1)[1]) for p in directory.glob("gauge_live*_*.db"))
+        assert sorted(set(live)) == sorted(r["pid"] for r in reports)
+        if PROMTOOL is not None:
+            check = subprocess.run(
+                [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True
+            )
+            assert check.returncode == 0, check.stdout + check.stderr
+        (out / "release").touch()
+        assert agent.wait(timeout=60) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert not directory.exists(), "the agent removes the directory it created"
+    assert (parent / "not-ours.txt").read_text() == "must survive"
