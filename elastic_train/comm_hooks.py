@@ -80,6 +80,7 @@ class CommHook:
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_iter = powersgd_start_iter
         self.powersgd_state: Any = None
+        self._pending_iter: int | None = None
 
     def register(self, model: DistributedDataParallel) -> DistributedDataParallel:
         """Register on ``model`` (before its first forward); returns ``model``."""
@@ -91,6 +92,7 @@ class CommHook:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
             model.register_comm_hook(self.powersgd_state, powerSGD_hook.powerSGD_hook)
+            self._apply_pending()
         return model
 
     def _make_powersgd_state(self) -> Any:
@@ -120,5 +122,12 @@ class CommHook:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.powersgd_state is not None and state.get("name") == "powersgd":
-            self.powersgd_state.iter = int(state["powersgd_iter"])
+        """Restore; may come before :meth:`register` (the restore precedes DDP wrapping)."""
+        if state.get("name") == "powersgd":
+            self._pending_iter = int(state["powersgd_iter"])
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        if self.powersgd_state is not None and self._pending_iter is not None:
+            self.powersgd_state.iter = self._pending_iter
+            self._pending_iter = None

@@ -105,6 +105,10 @@ def init_distributed(env: WorkerEnv, cfg: ElasticConfig) -> DistContext:
     if backend == "nccl":
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
+        # Abort the communicator on a failed or timed-out collective (torch's
+        # current default, pinned): a dead peer then ends the step with an error
+        # after pg_timeout_seconds instead of blocking the GPU stream for good.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     timeout = timedelta(seconds=cfg.pg_timeout_seconds)
     if env.launched:
         # MASTER_ADDR/MASTER_PORT come from torchrun's rendezvous (env://).

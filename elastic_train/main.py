@@ -25,7 +25,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train.config import USAGE, CliArgs, JobConfig, parse_cli, to_toml
 from elastic_train.distributed import WorkerEnv, init_distributed, read_worker_env, teardown
-from elastic_train.errors import EXIT_CONFIG_ERROR, CheckpointMismatchError, ConfigError
+from elastic_train.errors import (
+    EXIT_CHECKPOINT_FAILURES,
+    EXIT_CONFIG_ERROR,
+    EXIT_PEER_PREEMPTED,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ConfigError,
+)
 from elastic_train.log import bind_context, configure_logging, get_logger
 from elastic_train.train import Trainer, build, close, train
 
@@ -48,15 +55,26 @@ def run(cfg: JobConfig, env: WorkerEnv) -> int:
     trainer: Trainer | None = None
     try:
         trainer = build(cfg, ctx)
-        train(trainer)
+        result = train(trainer)
     except (ConfigError, CheckpointMismatchError) as exc:
         log.error("config_error", error=str(exc))
         return EXIT_CONFIG_ERROR
+    except CheckpointWriteError as exc:
+        log.error(
+            "checkpoint_failures_exceeded", error=str(exc), exit_code=EXIT_CHECKPOINT_FAILURES
+        )
+        return EXIT_CHECKPOINT_FAILURES
     finally:
         # Also on failure: an in-flight checkpoint holds a consistent earlier step.
         if trainer is not None:
             close(trainer)
         teardown()
+    if result.stopped is not None:
+        # The signalled worker is done (0); a survivor leaves so that its agent
+        # re-forms the group without the preempted node (docs/faults.md).
+        code = EXIT_PEER_PREEMPTED if result.stopped == "peer_preempted" else 0
+        log.warning("worker_exit_after_preemption", reason=result.stopped, exit_code=code)
+        return code
     return 0
 
 

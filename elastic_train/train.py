@@ -33,12 +33,16 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from elastic_train.audit import AuditWriter, write_result
 from elastic_train.checkpoint import CheckpointManager
+from elastic_train.comm_hooks import CommHook
 from elastic_train.config import JobConfig, OptimizerConfig, ScheduleConfig, TrainingConfig
 from elastic_train.config import fingerprint as config_fingerprint
 from elastic_train.datasets import DataBundle, load_batch
 from elastic_train.distributed import DistContext, broadcast_attempt_id
-from elastic_train.errors import ConfigError
+from elastic_train.errors import CheckpointWriteError, ConfigError
+from elastic_train.evaluate import evaluate
+from elastic_train.guards import LoopGuards, build_eval_set
 from elastic_train.log import get_logger
+from elastic_train.precision import Precision
 from elastic_train.registry import DATASETS, LOSSES, MODELS
 from elastic_train.rng import capture_rng_state, restore_rng_state
 from elastic_train.sampler import ElasticSampler
@@ -69,6 +73,10 @@ class Trainer:
     audit: AuditWriter | None
     attempt: str
     total_steps: int
+    precision: Precision
+    comm_hook: CommHook
+    guards: LoopGuards
+    eval_set: Any
     step: int = 0
     last_saved_step: int = 0
     last_save_time: float = field(default_factory=time.monotonic)
@@ -91,6 +99,7 @@ class TrainResult:
     final_step: int
     epoch: int
     final_loss: float | None  # measured on rank 0 only
+    stopped: str | None = None  # a StopReason when preempted before the end
 
 
 # -- setup ----------------------------------------------------------------------
@@ -180,10 +189,16 @@ def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
         scheduler=build_scheduler(cfg, optimizer, total=steps, world_size=ctx.world_size),
         sampler=ElasticSampler(len(data), global_batch_size=batch, seed=cfg.training.seed),
         checkpoint=checkpoint, audit=audit, attempt=attempt, total_steps=steps,
+        precision=Precision(cfg.training.precision, device=ctx.device),
+        comm_hook=CommHook(
+            cfg.training.comm_hook, powersgd_rank=cfg.training.powersgd_rank,
+            powersgd_start_iter=cfg.training.powersgd_start_iter,
+        ),
+        guards=LoopGuards(cfg, device=ctx.device), eval_set=build_eval_set(cfg, data),
     )  # fmt: skip
     restore(trainer)
     # Wrapped after the restore: DDP's constructor broadcasts rank 0's weights.
-    trainer.ddp = wrap_model(model, ctx)
+    trainer.ddp = trainer.comm_hook.register(wrap_model(model, ctx))
     return trainer
 
 
@@ -200,6 +215,8 @@ def state_dict(t: Trainer) -> dict[str, Any]:
         "step": t.step,
         "epoch": t.sampler.epoch,
         "rng": capture_rng_state(),
+        "precision": t.precision.state_dict(),
+        "comm_hook": t.comm_hook.state_dict(),
     }
 
 
@@ -210,6 +227,8 @@ def load_state_dict(t: Trainer, state: dict[str, Any]) -> None:
     t.sampler.load_state_dict(state["sampler"])
     t.step = int(state["step"])
     restore_rng_state(state["rng"])
+    t.precision.load_state_dict(state.get("precision", {}))
+    t.comm_hook.load_state_dict(state.get("comm_hook", {}))
     # The optimizer came back with the LR of the old world size (per_worker mode).
     for group, lr_lambda, base in zip(
         t.optimizer.param_groups, t.scheduler.lr_lambdas, t.scheduler.base_lrs, strict=True
@@ -259,8 +278,13 @@ def save_checkpoint(t: Trainer, *, reason: str, blocking: bool = False) -> None:
     if t.checkpoint is None or t.step == t.last_saved_step:
         return
     if t.checkpoint.is_writer:
-        t.checkpoint.save(t.step, state_dict(t), blocking=blocking)
+        try:
+            with t.guards.long_operation("checkpoint") if blocking else contextlib.nullcontext():
+                t.checkpoint.save(t.step, state_dict(t), blocking=blocking)
+        except CheckpointWriteError:
+            pass  # logged and counted by the manager; the previous checkpoint is intact
         log.debug("checkpoint_requested", step=t.step, reason=reason)
+        t.checkpoint.raise_if_failing(t.cfg.checkpoint.max_consecutive_failures)
     t.last_saved_step = t.step
     t.last_save_time = time.monotonic()
 
@@ -283,16 +307,18 @@ def micro_batches(shard: list[int], micro_batch_size: int) -> list[list[int]]:
 def forward_backward(t: Trainer, indices: list[int], *, scale: float) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns the detached sum of its losses."""
     inputs, targets = (x.to(t.ctx.device) for x in load_batch(t.data.dataset, indices))
-    losses = t.loss_fn(t.ddp(inputs), targets)
-    (losses.sum() * scale).backward()
+    with t.precision.autocast():
+        losses = t.loss_fn(t.ddp(inputs), targets).float()
+    t.precision.backward(losses.sum() * scale)
     return losses.detach().sum()
 
 
 def optimizer_step(t: Trainer) -> None:
     if t.cfg.optimizer.grad_clip > 0:
+        t.precision.unscale_(t.optimizer)  # clip the true gradients, not fp16-scaled ones
         # Gradients are already identical on every rank, so is their norm.
         nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.optimizer.grad_clip)
-    t.optimizer.step()
+    t.precision.step(t.optimizer)
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
 
@@ -349,6 +375,7 @@ def train(t: Trainer) -> TrainResult:
         global_batch_size=t.sampler.global_batch_size, world_size=t.ctx.world_size,
     )  # fmt: skip
     t.ddp.train()
+    t.guards.install()
     while not finished(t):
         started, epoch, lr = time.perf_counter(), t.sampler.epoch, current_lr(t)
         batch = t.sampler.next_global_batch()
@@ -365,8 +392,29 @@ def train(t: Trainer) -> TrainResult:
             save_checkpoint(t, reason="epoch_end")
         elif checkpoint_due(t):
             save_checkpoint(t, reason="interval")
+        if t.cfg.eval.every_steps and t.step % t.cfg.eval.every_steps == 0:
+            run_evaluation(t, reason="interval")
+        stopped = t.guards.after_step(t.step)
+        if stopped is not None:
+            save_checkpoint(t, reason=stopped.value, blocking=True)
+            if t.checkpoint is not None:
+                t.checkpoint.flush()  # the step may have been saved asynchronously just now
+            return TrainResult(t.step, t.sampler.epoch, None, stopped=stopped.value)
     save_checkpoint(t, reason="final", blocking=True)
+    if t.cfg.eval.at_end:
+        run_evaluation(t, reason="end")
     return finish(t)
+
+
+def run_evaluation(t: Trainer, *, reason: str) -> None:
+    """Evaluate every sample of the evaluation set once across the ranks (a collective)."""
+    with t.guards.long_operation("evaluation"):
+        result = evaluate(
+            t.model, t.eval_set, loss_fn=t.loss_fn, batch_size=t.cfg.eval.batch_size,
+            rank=t.ctx.rank, world_size=t.ctx.world_size, device=t.ctx.device,
+            autocast=t.precision.autocast,
+        )  # fmt: skip
+    log.info("evaluation", step=t.step, reason=reason, **result.as_dict())
 
 
 def final_loss(t: Trainer) -> float:
@@ -401,6 +449,7 @@ def finish(t: Trainer) -> TrainResult:
 
 def close(t: Trainer) -> None:
     """Flush an in-flight checkpoint and close files; safe after a failed step."""
+    t.guards.close()
     if t.checkpoint is not None:
         t.checkpoint.close()
     if t.audit is not None:

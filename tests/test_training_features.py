@@ -155,6 +155,11 @@ def _hook_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             optimizer.step()
         buffer = io.BytesIO()
         torch.save(comm.state_dict(), buffer)
+        # A restore happens before DDP wrapping: the state waits for register().
+        resumed = CommHook(hook, powersgd_start_iter=2)
+        resumed.load_state_dict(comm.state_dict())
+        resumed.register(torch.nn.parallel.DistributedDataParallel(model))
+        assert resumed.state_dict() == comm.state_dict()
         torch.save(
             {"params": [p.detach() for p in model.parameters()], "state": buffer.getvalue()},
             Path(out_dir) / f"{hook}-{rank}.pt",

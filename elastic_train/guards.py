@@ -1,0 +1,81 @@
+"""What the training loop consults after every step besides training itself.
+
+:class:`LoopGuards` bundles the preemption handler (stop at an agreed step,
+save, leave) and the hang watchdog; :func:`build_eval_set` picks the
+evaluation data. The loop in ``train.py`` calls :meth:`LoopGuards.after_step`
+once per optimizer step on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from elastic_train.config import EvalConfig, JobConfig
+from elastic_train.datasets import DataBundle
+from elastic_train.preemption import PreemptionHandler, StopReason, parse_signal
+from elastic_train.registry import DATASETS
+from elastic_train.watchdog import Watchdog
+
+
+class LoopGuards:
+    """Preemption and hang detection for one worker; :meth:`install` on the main thread."""
+
+    def __init__(self, cfg: JobConfig, *, device: torch.device) -> None:
+        elastic = cfg.elastic
+        self.preemption = PreemptionHandler(
+            signals=(signal.SIGTERM, parse_signal(elastic.preemption_signal)),
+            check_every=elastic.preemption_check_every,
+            device=device,
+        )
+        self.watchdog: Watchdog | None = None
+        if elastic.watchdog:
+            self.watchdog = Watchdog(
+                timeout_s=elastic.watchdog_timeout_seconds or None,
+                multiple=elastic.watchdog_multiple,
+                floor_s=elastic.watchdog_floor_seconds,
+                startup_timeout_s=elastic.watchdog_startup_seconds,
+            )
+
+    def install(self) -> LoopGuards:
+        """Catch the preemption signals and start the watchdog's clock."""
+        self.preemption.install()
+        if self.watchdog is not None:
+            self.watchdog.start()
+        return self
+
+    def after_step(self, step: int) -> StopReason | None:
+        """Record progress; whether every rank stops now (a collective)."""
+        if self.watchdog is not None:
+            self.watchdog.step_done(step)
+        return self.preemption.poll(step)
+
+    @contextlib.contextmanager
+    def long_operation(self, name: str) -> Iterator[None]:
+        """A save or an evaluation: bounded by the startup limit, not the step limit."""
+        if self.watchdog is None:
+            yield
+            return
+        with self.watchdog.long_operation(name):
+            yield
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.preemption.uninstall()
+
+
+def build_eval_set(cfg: JobConfig, train_data: DataBundle) -> Dataset[Any] | None:
+    """The evaluation samples, or None when evaluation is off."""
+    ev: EvalConfig = cfg.eval
+    if not ev.every_steps and not ev.at_end:
+        return None
+    data = DATASETS.resolve(ev.dataset)(cfg.data) if ev.dataset else train_data
+    if ev.max_samples and ev.max_samples < len(data):
+        return Subset(data.dataset, range(ev.max_samples))
+    return data.dataset
