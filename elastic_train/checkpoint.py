@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 import elastic_train
+from elastic_train import metrics
 from elastic_train.errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -169,6 +170,7 @@ class CheckpointManager:
                 self._write(step, host_state, metadata, stats)
             finally:
                 stats.blocked_seconds = time.perf_counter() - start
+                metrics.checkpoint_blocked(stats.blocked_seconds)
             return
         # Not a daemon: interpreter shutdown waits for it, which flushes at exit.
         self._inflight = threading.Thread(
@@ -178,6 +180,7 @@ class CheckpointManager:
         )
         self._inflight.start()
         stats.blocked_seconds = time.perf_counter() - start
+        metrics.checkpoint_blocked(stats.blocked_seconds)
 
     def flush(self) -> None:
         """Wait until the in-flight asynchronous save, if any, has finished."""
@@ -244,6 +247,8 @@ class CheckpointManager:
         stats.write_seconds = time.perf_counter() - started
         stats.bytes = files[STATE_FILE]["bytes"]
         self.consecutive_failures = 0
+        seconds = stats.copy_seconds + stats.write_seconds
+        metrics.checkpoint_saved(step=step, seconds=seconds, bytes_written=stats.bytes)
         log.info(
             "checkpoint_saved",
             step=step,
@@ -283,6 +288,7 @@ class CheckpointManager:
     def _count_failure(self, step: int, exc: BaseException) -> CheckpointWriteError:
         self.consecutive_failures += 1
         self.total_failures += 1
+        metrics.checkpoint_failed()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         error = CheckpointWriteError(
             f"saving checkpoint step {step} under {self.directory} failed: {reason}; "
@@ -379,6 +385,7 @@ class CheckpointManager:
 
     def load(self, step: int, *, map_location: str | torch.device) -> dict:
         """The state of checkpoint ``step``, verified before anything is unpickled."""
+        started = time.perf_counter()
         path = self._step_dir(step)
         body = _read_manifest(path, step)
         if body["fingerprint"] != self.fingerprint:
@@ -396,6 +403,9 @@ class CheckpointManager:
                 f"{path / STATE_FILE}: refused by torch.load ({exc})"
             ) from exc
         self.loaded_metadata = body["metadata"]
+        metrics.checkpoint_loaded(
+            step=step, seconds=time.perf_counter() - started, saved_at=body["metadata"]["wall_time"]
+        )
         log.info(
             "checkpoint_loaded",
             step=step,
