@@ -43,7 +43,8 @@ def _setup_logging(cfg: JobConfig, env: WorkerEnv) -> None:
     fmt = cfg.logging.format
     configure_logging(level=cfg.logging.level, json=None if fmt == "auto" else fmt == "json")
     bind_context(
-        run_id=env.run_id, node=env.node, rank=env.rank, world_size=env.world_size,
+        run_id=env.run_id, node=env.node, rank=env.rank, local_rank=env.local_rank,
+        world_size=env.world_size,
         restart=env.restart_count,
     )  # fmt: skip
 
