@@ -114,8 +114,11 @@ class Recovery:
     """What one delivered event cost, audited from the workers' records.
 
     ``seconds`` runs from the event to the first step completed by a training
-    attempt that started after it; ``lost_steps`` is the highest step completed
-    before the event minus the step that attempt restored (work redone).
+    attempt that started after it (the recovering attempt). ``lost_steps`` is
+    the work redone: the highest step completed before that attempt started
+    minus the step it restored. For a failure nothing completes in between, so
+    this is the highest step before the event; for a join the survivors train
+    on until the new round, and steps they finish after a checkpoint are lost.
     """
 
     kind: ChaosKind
@@ -142,8 +145,6 @@ class Recovery:
 
 def recovery_after(log: AuditLog, *, kind: ChaosKind, node: int, event_time: float) -> Recovery:
     """Audit the recovery from an event delivered at wall time ``event_time``."""
-    before = [record.step for record in log.steps if record.time <= event_time]
-    highest_before = max(before, default=0)
     attempt = next(
         (a for a in log.attempts() if a.start_time > event_time and a.first_step_time is not None),
         None,
@@ -153,7 +154,8 @@ def recovery_after(log: AuditLog, *, kind: ChaosKind, node: int, event_time: flo
     assert attempt.first_step_time is not None
     lost = None
     if attempt.restored_step is not None:
-        lost = max(0, highest_before - attempt.restored_step)
+        before = [record.step for record in log.steps if record.time < attempt.start_time]
+        lost = max(0, max(before, default=0) - attempt.restored_step)
     return Recovery(
         kind=kind,
         node=node,

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_train.audit import AuditLog, AuditTail, ExactlyOnce, audit_exactly_once, read_result
+from elastic_train.audit import (
+    RESULT_FILE,
+    AuditLog,
+    AuditTail,
+    ExactlyOnce,
+    audit_exactly_once,
+    read_result,
+)
 from elastic_train.chaos import ChaosEvent, Recovery, parse_schedule, recovery_after
 from elastic_train.cluster import ClusterSpec, LocalCluster
 from elastic_train.log import get_logger
@@ -47,6 +54,9 @@ log = get_logger(__name__)
 
 #: seconds between two supervision ticks (records read, events due, agents reaped)
 POLL_INTERVAL_S = 0.2
+
+#: seconds the nodes get to exit once the trainer wrote its result
+FINISH_GRACE_S = 15.0
 
 #: called each tick with the progress lines; ``final`` on the last call
 ProgressSink = Callable[..., None]
@@ -155,6 +165,8 @@ class _Supervisor:
         self.pending = list(cluster.spec.chaos)
         self.deliveries: list[Delivery] = []
         self.started = time.monotonic()
+        self._result_file = cluster.audit_dir / RESULT_FILE
+        self._finished_at: float | None = None
 
     @property
     def elapsed(self) -> float:
@@ -167,20 +179,35 @@ class _Supervisor:
             self.board.observe(self.tail.poll())
             self._fire_due_events()
             self.cluster.poll()
+            if self._finished_at is None and self._result_file.exists():
+                self._finished_at = time.monotonic()
             if not self.cluster.alive_nodes() and not self._join_pending():
-                return None
+                break
+            if self._finished_at is not None and self._since_finish() > FINISH_GRACE_S:
+                # Typically a late joiner waiting for a round that will never come.
+                log.warning("local_nodes_left_after_finish", grace_s=FINISH_GRACE_S)
+                break
             if self.elapsed > timeout:
                 return f"timed out after {timeout:g}s"
             self.draw()
             time.sleep(POLL_INTERVAL_S)
+        for event in self.pending:
+            self.deliveries.append(Delivery(event, time.time(), self.elapsed, "not reached"))
+        return None
+
+    def _since_finish(self) -> float:
+        assert self._finished_at is not None
+        return time.monotonic() - self._finished_at
 
     def _join_pending(self) -> bool:
         """A timed join can revive a job whose nodes are all gone (a whole-job restart)."""
-        if read_result(self.cluster.audit_dir) is not None:
+        if self._finished_at is not None:
             return False
         return any(e.kind == "join" and e.at_seconds is not None for e in self.pending)
 
     def _fire_due_events(self) -> None:
+        if self._finished_at is not None:
+            return  # the job is done: faults and joins could only disturb the shutdown
         elapsed = self.elapsed
         for event in [e for e in self.pending if e.is_due(elapsed=elapsed, step=self.board.step)]:
             now = time.time()
@@ -189,7 +216,7 @@ class _Supervisor:
                 continue
             self.pending.remove(event)
             self.deliveries.append(Delivery(event, now, elapsed, outcome))
-            log.info("chaos_event", event=str(event), outcome=outcome, elapsed=round(elapsed, 2))
+            log.info("chaos_event", chaos=str(event), outcome=outcome, elapsed=round(elapsed, 2))
 
     def draw(self, *, final: bool = False) -> None:
         if self.progress is None:
@@ -238,9 +265,13 @@ def summarize(
 
 
 def _completed(cluster: LocalCluster, has_result: bool) -> bool:
-    """Every agent the chaos left alone exited 0, and our trainer wrote its result."""
-    if cluster.spec.trainer_args and not has_result:
-        return False
+    """Our trainer wrote its result; any other script: every agent left alone exited 0.
+
+    Rank 0 writes the result only once the configured steps are done. A node
+    failing on the way (or a late joiner turned away) shows in ``nodes``.
+    """
+    if cluster.spec.trainer_args:
+        return has_result
     left_alone = [n for n in cluster.nodes.values() if n.fate not in ("killed", "terminated")]
     return bool(left_alone) and all(n.proc.returncode == 0 for n in left_alone)
 

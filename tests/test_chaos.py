@@ -79,21 +79,22 @@ def test_due_by_time_or_by_step() -> None:
 
 def test_recovery_from_a_kill_and_a_join(tmp_path: Path) -> None:
     sim = SimRun(tmp_path, step_seconds=1.0)
-    sim.attempt(world_size=3, restored=0, last=9)  # steps 1..9 at t=1003..1011
+    sim.attempt(world_size=3, restored=0, last=9)
     kill_time = sim.time + 0.5  # after step 9 completed
     sim.time = kill_time + 1.0  # the survivors' attempt starts 3 s after the kill
-    sim.attempt(world_size=2, restored=6, last=12)
-    join_time = sim.time + 0.25
-    sim.attempt(world_size=3, restored=12, last=14, source="snapshot")
+    sim.attempt(world_size=2, restored=6, last=14)  # step k at kill + 3 + (k - 6)
+    join_time = kill_time + 3 + 6.5  # just after step 12, the last checkpoint
+    sim.attempt(world_size=3, restored=12, last=16, source="disk")  # starts at kill + 13
     audit = AuditLog.load(tmp_path)
 
     kill = recovery_after(audit, kind="kill", node=1, event_time=kill_time)
     assert (kill.world_size_after, kill.restored_step, kill.lost_steps) == (2, 6, 3)
     # The new attempt starts at kill+3 s and its first step completes 1 s later.
     assert kill.seconds == pytest.approx(4.0)
+    # The survivors trained on to step 14 until the joiner's round began: 2 steps redone.
     join = recovery_after(audit, kind="join", node=1, event_time=join_time)
-    assert (join.world_size_after, join.lost_steps, join.restore_source) == (3, 0, "snapshot")
-    assert join.seconds == pytest.approx(2.75)
+    assert (join.world_size_after, join.restored_step, join.lost_steps) == (3, 12, 2)
+    assert join.seconds == pytest.approx(14.0 - 9.5)
     late = recovery_after(audit, kind="kill", node=0, event_time=sim.time + 10)
-    assert late.seconds is None and late.world_size_after is None
+    assert late.seconds is None and late.world_size_after is None and late.lost_steps is None
     assert kill.to_json()["world_size_after"] == 2
