@@ -9,76 +9,113 @@ restarted group resumes from the newest copy any node holds.
 Layout of the per-run directory (mode 0700)::
 
     /dev/shm/elastic_train-<uid>-<run_id>/
-        slot-0, slot-1   double buffer: a 512-byte header, then torch.save bytes
-        HEAD             {"slot": 0|1, "step": N}, replaced atomically
+        slot-0, slot-1   double buffer, preallocated and memory-mapped
+        HEAD             {"slot": 0|1, "step": N}, replaced atomically by rename
 
-A save truncates the slot HEAD does *not* name (which erases its header),
-writes the data, then the header (magic, step, size, crc32, fingerprint) and
-only then flips HEAD with a rename. A process killed at any point leaves HEAD
-naming a complete slot; a slot whose header is missing or whose checksum fails
-is never used.
+A slot is ``[4 KiB header][skeleton][tensor bytes]``. The skeleton is a small
+``torch.save`` of the state with each tensor replaced by a reference into the
+tensor bytes, so a snapshot costs one memcpy per tensor rather than a full
+serialization. A save erases the header of the slot HEAD does *not* name,
+copies skeleton and tensors, computes a crc32, writes the header (magic, step,
+sizes, crc32, fingerprint) and only then flips HEAD. A process killed at any
+point leaves HEAD naming a complete slot; a slot without a header or whose
+checksum fails is never used.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
+import mmap
 import os
 import re
 import shutil
 import stat
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from elastic_train.errors import SnapshotError
+from elastic_train.errors import CheckpointError, SnapshotError
 from elastic_train.log import get_logger
-from elastic_train.state_io import checksum, copy_to_host, save_hashed
+from elastic_train.restore import Agreement, agree_on_newest, broadcast_state, decide
+from elastic_train.state_io import checksum, map_tensors
+
+__all__ = [
+    "Agreement",
+    "SnapshotStats",
+    "SnapshotStore",
+    "agree_on_newest",
+    "broadcast_state",
+    "decide",
+]
 
 log = get_logger(__name__)
 
-HEADER_BYTES = 512
-MAGIC = b"ETSNAP1\n"
+HEADER_BYTES = 4096
+MAGIC = b"ETSNAP2\n"
 ALGORITHM = "crc32"  # detects torn writes; tmpfs has no bit rot to guard against
+_ALIGN = 64
+_REF = "__elastic_train_tensor__"
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-# torch.save adds a few hundred bytes per tensor plus the pickle; be generous.
-_OVERHEAD_PER_TENSOR = 1024
-_OVERHEAD = 1 << 20
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 @dataclass
 class SnapshotStats:
-    """Timings of one snapshot (seconds), measured by the store."""
+    """One snapshot, measured by the store: everything save() held the caller for."""
 
     step: int
-    copy_seconds: float  # host copy on the caller's thread (0 for a blocking save)
-    blocked_seconds: float = 0.0  # everything save() held the caller for
-    write_seconds: float | None = None  # serialize + checksum + header + HEAD flip
-    bytes: int = 0
+    seconds: float
+    bytes: int
 
 
-def _state_nbytes(state: Any) -> tuple[int, int]:
-    """(bytes of tensor data, number of tensors) in a nested state."""
-    seen: dict[int, int] = {}
+class _Flat(NamedTuple):
+    blob: bytes  # torch.save of (skeleton, table)
+    tensors: list[torch.Tensor]
+    table: list[dict[str, Any]]  # dtype, shape, offset (into the tensor bytes), nbytes
+    size: int  # of the whole slot file
 
-    def visit(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            seen[id(obj)] = obj.numel() * obj.element_size()
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                visit(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                visit(value)
 
-    visit(state)
-    return sum(seen.values()), len(seen)
+def _flatten(state: dict) -> _Flat:
+    tensors: list[torch.Tensor] = []
+    table: list[dict[str, Any]] = []
+    offset = 0
+
+    def reference(tensor: torch.Tensor) -> dict[str, int]:
+        nonlocal offset
+        nbytes = tensor.numel() * tensor.element_size()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        table.append(
+            {"dtype": dtype, "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes}
+        )
+        tensors.append(tensor)
+        offset = _aligned(offset + nbytes)
+        return {_REF: len(tensors) - 1}
+
+    try:
+        skeleton = map_tensors(state, reference)
+    except CheckpointError as exc:
+        raise SnapshotError(str(exc)) from exc
+    buffer = io.BytesIO()
+    torch.save((skeleton, table), buffer)
+    blob = buffer.getvalue()
+    return _Flat(blob, tensors, table, HEADER_BYTES + _aligned(len(blob)) + offset)
+
+
+def _unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict):
+        if len(skeleton) == 1 and _REF in skeleton:
+            return tensors[skeleton[_REF]]
+        return type(skeleton)((k, _unflatten(v, tensors)) for k, v in skeleton.items())
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_unflatten(v, tensors) for v in skeleton)
+    return skeleton
 
 
 def _file_size(path: Path) -> int:
@@ -86,6 +123,11 @@ def _file_size(path: Path) -> int:
         return path.stat().st_size
     except FileNotFoundError:
         return 0
+
+
+class _Mapping(NamedTuple):
+    mm: mmap.mmap
+    region: torch.Tensor  # uint8 view of the whole mapping
 
 
 class SnapshotStore:
@@ -109,14 +151,13 @@ class SnapshotStore:
         self.max_bytes = max_bytes
         self.is_writer = is_writer
         self.last_stats: SnapshotStats | None = None
-        self._inflight: threading.Thread | None = None
-        self._pending_error: SnapshotError | None = None
+        self._maps: dict[int, _Mapping] = {}
         if is_writer:
             self._make_private_directory()
 
     def _make_private_directory(self) -> None:
         try:
-            self.directory.mkdir(mode=0o700, parents=False, exist_ok=True)
+            self.directory.mkdir(mode=0o700, exist_ok=True)
             info = self.directory.lstat()
         except OSError as exc:
             raise SnapshotError(
@@ -129,88 +170,30 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, state: dict, *, blocking: bool = False) -> None:
-        """Snapshot ``state`` as ``step``; raises SnapshotError when it cannot.
+    def save(self, step: int, state: dict) -> None:
+        """Snapshot ``state`` as ``step``; synchronous, one memcpy per tensor.
 
-        Asynchronous by default: the caller blocks for the host copy only and a
-        thread writes the slot; a new save first waits for the previous one. A
-        failure of that thread is raised by the next ``save()`` or ``flush()``.
-        ``SnapshotError`` means: stop snapshotting, rely on disk checkpoints.
+        Raises ``SnapshotError`` when it does not fit or the write fails; the
+        previous snapshot stays valid, and the trainer should stop
+        snapshotting and rely on disk checkpoints. Non-writers return at once.
         """
         if not self.is_writer:
             return
         start = time.perf_counter()
-        self.flush()
-        self._check_fits(state)
-        if blocking:
-            stats = SnapshotStats(step, copy_seconds=0.0)
-            self.last_stats = stats
-            try:
-                self._write(step, state, stats)
-            finally:
-                stats.blocked_seconds = time.perf_counter() - start
-            return
-        copy_start = time.perf_counter()
-        host_state = copy_to_host(state)
-        stats = SnapshotStats(step, copy_seconds=time.perf_counter() - copy_start)
-        self.last_stats = stats
-        self._inflight = threading.Thread(
-            target=self._write_in_background,
-            args=(step, host_state, stats),
-            name=f"snapshot-writer-{step}",
-            daemon=True,  # a snapshot is worthless once the process exits
-        )
-        self._inflight.start()
-        stats.blocked_seconds = time.perf_counter() - start
-
-    def flush(self) -> None:
-        """Wait for the in-flight snapshot; raise the SnapshotError it ended with, if any."""
-        thread, self._inflight = self._inflight, None
-        if thread is not None:
-            thread.join()
-        error, self._pending_error = self._pending_error, None
-        if error is not None:
-            raise error
-
-    def _check_fits(self, state: dict) -> None:
-        nbytes, tensors = _state_nbytes(state)
-        needed = nbytes + tensors * _OVERHEAD_PER_TENSOR + _OVERHEAD
-        current = self._read_head()
-        active = _file_size(self._slot_path(current[0])) if current else 0
-        reusable = _file_size(self._slot_path(1 - current[0] if current else 0))
-        vfs = os.statvfs(self.directory)
-        available = vfs.f_bavail * vfs.f_frsize + reusable
-        if self.max_bytes is not None:
-            available = min(available, self.max_bytes - active)
-        if needed > available:
-            raise SnapshotError(
-                f"a snapshot needs about {needed / 2**20:.1f} MiB but only "
-                f"{available / 2**20:.1f} MiB is available under {self.directory} "
-                f"(free space of {self.directory.parent}"
-                + (f", max_bytes={self.max_bytes}" if self.max_bytes is not None else "")
-                + "); snapshots need room for two copies of the state: enlarge /dev/shm "
-                "(Kubernetes: an emptyDir with medium: Memory) or turn snapshots off"
-            )
-
-    def _write_in_background(self, step: int, state: Any, stats: SnapshotStats) -> None:
-        try:
-            self._write(step, state, stats)
-        except SnapshotError as exc:
-            self._pending_error = exc
-        except Exception as exc:  # a bug must not vanish silently in a thread
-            log.exception("snapshot_writer_crashed", step=step)
-            self._pending_error = SnapshotError(f"snapshot of step {step} failed: {exc}")
-
-    def _write(self, step: int, state: Any, stats: SnapshotStats) -> None:
-        started = time.perf_counter()
+        flat = _flatten(state)
         current = self._read_head()
         slot = 1 - current[0] if current else 0
+        self._check_fits(flat.size, active=current[0] if current else None)
         try:
-            with open(self._slot_path(slot), "wb") as file:  # truncation erases the header
-                file.write(bytes(HEADER_BYTES))
-                digest, size = save_hashed(state, file, algorithm=ALGORITHM)
-                file.seek(0)
-                file.write(self._header(step, digest, size))
+            mapping = self._map_slot(slot, flat.size)
+            data_start = HEADER_BYTES + _aligned(len(flat.blob))
+            mapping.mm[HEADER_BYTES : HEADER_BYTES + len(flat.blob)] = flat.blob
+            for tensor, entry in zip(flat.tensors, flat.table, strict=True):
+                begin = data_start + entry["offset"]
+                target = mapping.region[begin : begin + entry["nbytes"]]
+                target.copy_(tensor.detach().reshape(-1).view(torch.uint8))
+            digest = checksum(memoryview(mapping.mm)[HEADER_BYTES:], ALGORITHM)
+            mapping.mm[:HEADER_BYTES] = self._header(step, len(flat.blob), flat.size, digest)
             self._flip_head(slot, step)
         except OSError as exc:
             log.error("snapshot_write_failed", step=step, error=str(exc), errno=exc.errno)
@@ -218,14 +201,62 @@ class SnapshotStore:
                 f"writing the snapshot of step {step} to {self.directory} failed: {exc}; "
                 "the previous snapshot is intact"
             ) from exc
-        stats.write_seconds = time.perf_counter() - started
-        stats.bytes = size
+        self.last_stats = SnapshotStats(step, time.perf_counter() - start, flat.size)
 
-    def _header(self, step: int, digest: str, size: int) -> bytes:
-        fields = {"step": step, "bytes": size, ALGORITHM: digest, "fingerprint": self.fingerprint}
+    def _check_fits(self, size: int, *, active: int | None) -> None:
+        active_size = _file_size(self._slot_path(active)) if active is not None else 0
+        reusable = _file_size(self._slot_path(1 - active if active is not None else 0))
+        vfs = os.statvfs(self.directory)
+        available = vfs.f_bavail * vfs.f_frsize + reusable
+        if self.max_bytes is not None:
+            available = min(available, self.max_bytes - active_size)
+        if size > available:
+            limit = f", max_bytes={self.max_bytes}" if self.max_bytes is not None else ""
+            raise SnapshotError(
+                f"a snapshot needs {size / 2**20:.1f} MiB but only {available / 2**20:.1f} MiB "
+                f"is available under {self.directory} (free space of {self.directory.parent}"
+                f"{limit}); snapshots need room for two copies of the state: enlarge "
+                "/dev/shm (Kubernetes: an emptyDir with medium: Memory) or turn snapshots off"
+            )
+
+    def _map_slot(self, slot: int, size: int) -> _Mapping:
+        """The slot's mapping, with its header erased first and its pages allocated."""
+        fd = os.open(self._slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if _file_size(self._slot_path(slot)) >= HEADER_BYTES:
+                os.pwrite(fd, bytes(HEADER_BYTES), 0)  # from here on the slot is invalid
+            cached = self._maps.get(slot)
+            if cached is not None and len(cached.mm) == size:
+                return cached
+            self._unmap(slot)
+            os.ftruncate(fd, size)
+            # Allocate every page now: touching an unallocated tmpfs page when
+            # /dev/shm is full is a SIGBUS, fallocate is a clean ENOSPC.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
+            self._maps[slot] = _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8))
+            return self._maps[slot]
+        finally:
+            os.close(fd)
+
+    def _unmap(self, slot: int) -> None:
+        mapping = self._maps.pop(slot, None)
+        if mapping is not None:
+            mm = mapping.mm
+            del mapping  # the tensor view must go before the mapping can close
+            mm.close()
+
+    def _header(self, step: int, blob_bytes: int, size: int, digest: str) -> bytes:
+        fields = {
+            "step": step,
+            "blob_bytes": blob_bytes,
+            "bytes": size,
+            ALGORITHM: digest,
+            "fingerprint": self.fingerprint,
+        }
         header = MAGIC + json.dumps(fields).encode()
         if len(header) > HEADER_BYTES:
-            raise SnapshotError(f"snapshot header too long ({len(header)} bytes); fingerprint?")
+            raise SnapshotError(f"snapshot header too long ({len(header)} bytes)")
         return header.ljust(HEADER_BYTES, b" ")
 
     def _flip_head(self, slot: int, step: int) -> None:
@@ -249,36 +280,35 @@ class SnapshotStore:
             return None
         return (slot, step) if slot in (0, 1) and isinstance(step, int) else None
 
-    def _read_slot(self, slot: int) -> tuple[int, memoryview]:
-        """(step, torch.save bytes) of a complete, verified slot."""
+    def _read_slot(self, slot: int) -> tuple[dict[str, Any], bytearray]:
+        """(header, bytes) of a complete slot whose checksum verifies."""
         path = self._slot_path(slot)
         try:
-            raw = memoryview(path.read_bytes())
+            raw = bytearray(path.read_bytes())
         except OSError as exc:
             raise SnapshotError(f"{path}: unreadable ({exc})") from exc
-        if bytes(raw[: len(MAGIC)]) != MAGIC:
+        if raw[: len(MAGIC)] != MAGIC:
             raise SnapshotError(f"{path}: no header (torn or never completed)")
         try:
             header = json.loads(bytes(raw[len(MAGIC) : HEADER_BYTES]))
-            step, size, digest = header["step"], header["bytes"], header[ALGORITHM]
+            size, digest = header["bytes"], header[ALGORITHM]
         except (ValueError, KeyError, TypeError) as exc:
             raise SnapshotError(f"{path}: unreadable header ({exc})") from exc
-        data = raw[HEADER_BYTES:]
-        if len(data) != size or checksum(data, ALGORITHM) != digest:
+        if len(raw) != size or checksum(memoryview(raw)[HEADER_BYTES:], ALGORITHM) != digest:
             raise SnapshotError(f"{path}: data does not match its header (torn write)")
         if header.get("fingerprint") != self.fingerprint:
             raise SnapshotError(
                 f"{path}: written under config fingerprint {header.get('fingerprint')!r}, "
                 f"this run's is {self.fingerprint!r}"
             )
-        return step, data
+        return header, raw
 
-    def _newest_valid(self) -> tuple[int, memoryview] | None:
+    def _newest_valid(self) -> tuple[dict[str, Any], bytearray] | None:
         head = self._read_head()
         if head is None:
             return None
-        # HEAD names the current slot; the other one is an older step, used only
-        # if the current one is damaged.
+        # HEAD names the current slot; the other holds an older step and is
+        # used only if the current one is damaged.
         for slot in (head[0], 1 - head[0]):
             try:
                 return self._read_slot(slot)
@@ -289,129 +319,39 @@ class SnapshotStore:
     def latest_step(self) -> int | None:
         """The step of the newest complete, checksum-verified snapshot on this node."""
         found = self._newest_valid()
-        return found[0] if found else None
+        return found[0]["step"] if found else None
 
     def load(self, *, map_location: str | torch.device) -> tuple[int, dict] | None:
         """``(step, state)`` of the newest valid snapshot here, or None; never a torn one."""
         found = self._newest_valid()
         if found is None:
             return None
-        step, data = found
+        header, raw = found
+        step, blob_end = header["step"], HEADER_BYTES + header["blob_bytes"]
         try:
-            state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+            skeleton, table = torch.load(io.BytesIO(raw[HEADER_BYTES:blob_end]), weights_only=True)
+            data = torch.frombuffer(raw, dtype=torch.uint8)[
+                HEADER_BYTES + _aligned(header["blob_bytes"]) :
+            ]
+            tensors = [
+                data[e["offset"] : e["offset"] + e["nbytes"]]
+                .view(getattr(torch, e["dtype"]))
+                .view(e["shape"])
+                .to(map_location)
+                for e in table
+            ]
         except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ...
-            raise SnapshotError(f"snapshot of step {step} refused by torch.load: {exc}") from exc
+            raise SnapshotError(f"snapshot of step {step} is unreadable: {exc}") from exc
         log.info("snapshot_loaded", step=step, path=str(self.directory))
-        return step, state
+        return step, _unflatten(skeleton, tensors)
 
     def remove(self) -> None:
         """Delete this run's snapshots (at run completion)."""
-        with contextlib.suppress(SnapshotError):  # it is being deleted anyway
-            self.flush()
+        self.close()
         shutil.rmtree(self.directory, ignore_errors=True)
         log.info("snapshot_removed", path=str(self.directory))
 
     def close(self) -> None:
-        """Wait for the in-flight snapshot; the snapshot itself stays for the next restart."""
-        self.flush()
-
-
-# ------------------------------------------------------------ restore agreement
-
-
-class Agreement(NamedTuple):
-    """Where the group resumes from: ``source`` is "snapshot", "disk" or "none"."""
-
-    source: str
-    step: int
-    owner_rank: int  # a global rank that holds it; -1 for "none"
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def decide(table: torch.Tensor, ranks: list[int]) -> Agreement:
-    """The newest state in a ``[world, 2]`` table of (snapshot step, disk step), -1 = none.
-
-    A snapshot wins a tie with the disk (it is already in memory); among ranks
-    holding the winner the lowest rank owns it, so every rank decides the same.
-    """
-    for column, source in ((0, "snapshot"), (1, "disk")):
-        best = int(table[:, column].max())
-        if best >= 0 and best >= int(table.max()):
-            owner = int((table[:, column] == best).nonzero()[0, 0])
-            return Agreement(source, best, ranks[owner])
-    return Agreement("none", 0, -1)
-
-
-def agree_on_newest(
-    *, local_snapshot_step: int | None, disk_step: int | None, group: dist.ProcessGroup | None
-) -> Agreement:
-    """Agree, in one all_gather of two integers per rank, on the newest state anyone holds.
-
-    ``local_snapshot_step`` is this node's verified snapshot (``SnapshotStore.latest_step``
-    or the step of ``load()``), ``disk_step`` the newest checkpoint this rank can read.
-    Without an initialized process group it decides from the local values alone.
-    """
-    mine = torch.tensor(
-        [
-            -1 if local_snapshot_step is None else local_snapshot_step,
-            -1 if disk_step is None else disk_step,
-        ],
-        dtype=torch.int64,
-    )
-    if not (dist.is_available() and dist.is_initialized()):
-        return decide(mine.unsqueeze(0), [0])
-    device = _collective_device(group)
-    gathered = [
-        torch.empty(2, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
-    ]
-    dist.all_gather(gathered, mine.to(device), group=group)
-    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(len(gathered))]
-    agreement = decide(torch.stack(gathered).cpu(), ranks)
-    log.info(
-        "restore_agreed",
-        source=agreement.source,
-        step=agreement.step,
-        owner_rank=agreement.owner_rank,
-    )
-    return agreement
-
-
-def broadcast_state(
-    state: dict | None,
-    src: int,
-    group: dist.ProcessGroup | None,
-    *,
-    map_location: str | torch.device = "cpu",
-) -> dict:
-    """Ship ``state`` from global rank ``src`` to every rank of ``group``.
-
-    The state travels as ``torch.save`` bytes in a uint8 tensor (two broadcasts:
-    size, then payload) and is read back with ``weights_only=True``, so no
-    peer can make us unpickle an arbitrary object. ``src`` gets its own
-    ``state`` back; the others pass anything (ignored).
-    """
-    device = _collective_device(group)
-    is_src = dist.get_rank() == src
-    if is_src and state is None:
-        raise ValueError(f"broadcast_state: the source rank {src} must pass its state")
-    if is_src:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, src, group=group)
-    if not is_src:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    on_device = payload.to(device)
-    dist.broadcast(on_device, src, group=group)
-    if is_src:
-        return state
-    data = bytes(on_device.cpu().untyped_storage())
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        """Release the mappings; the snapshot itself stays for the next restart."""
+        for slot in list(self._maps):
+            self._unmap(slot)

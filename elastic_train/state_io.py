@@ -13,7 +13,7 @@ import json
 import os
 import zlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,19 +25,20 @@ from elastic_train.errors import CheckpointError
 _ATOMIC = (str, bytes, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
 
 
-def copy_to_host(state: Any, *, path: str = "state") -> Any:
-    """A deep copy of ``state`` with every tensor copied to CPU memory.
+def map_tensors(state: Any, fn: Callable[[torch.Tensor], Any], *, path: str = "state") -> Any:
+    """A copy of the nested ``state`` with every tensor replaced by ``fn(tensor)``.
 
-    Tensors that appear twice (tied weights) stay one tensor. Anything that
-    ``torch.load(weights_only=True)`` would refuse is rejected here, naming
-    its key, so a bad state fails at save time and not at the next resume.
+    A tensor that appears twice (tied weights) is mapped once and stays one
+    object. Anything that ``torch.load(weights_only=True)`` would refuse is
+    rejected, naming its key, so a bad state fails at save time and not at
+    the next resume.
     """
-    memo: dict[int, torch.Tensor] = {}
+    memo: dict[int, Any] = {}
 
     def visit(obj: Any, where: str) -> Any:
         if isinstance(obj, torch.Tensor):
             if id(obj) not in memo:
-                memo[id(obj)] = obj.detach().to("cpu", copy=True)
+                memo[id(obj)] = fn(obj)
             return memo[id(obj)]
         if isinstance(obj, _ATOMIC):
             return obj
@@ -53,6 +54,11 @@ def copy_to_host(state: Any, *, path: str = "state") -> Any:
         )
 
     return visit(state, path)
+
+
+def copy_to_host(state: Any) -> Any:
+    """A deep copy of ``state`` with every tensor copied to CPU memory (see map_tensors)."""
+    return map_tensors(state, lambda tensor: tensor.detach().to("cpu", copy=True))
 
 
 def config_fingerprint(fields: Mapping[str, Any]) -> str:

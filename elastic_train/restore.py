@@ -1,0 +1,118 @@
+"""Where a restarted group resumes from: the newest state any rank holds.
+
+The candidates are each node's shared-memory snapshot and the disk checkpoints.
+Every rank contributes two integers to one ``all_gather`` and applies the same
+deterministic rule, so all ranks reach the same decision without a leader; the
+winning state then travels from a rank that holds it to the others (a new node
+with an empty ``/dev/shm`` included) as bytes in a tensor broadcast.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.log import get_logger
+
+log = get_logger(__name__)
+
+
+class Agreement(NamedTuple):
+    """Where the group resumes from: ``source`` is "snapshot", "disk" or "none"."""
+
+    source: str
+    step: int
+    owner_rank: int  # a global rank that holds it; -1 for "none"
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def decide(table: torch.Tensor, ranks: list[int]) -> Agreement:
+    """The newest state in a ``[world, 2]`` table of (snapshot step, disk step), -1 = none.
+
+    A snapshot wins a tie with the disk (it is already in memory); among ranks
+    holding the winner the lowest rank owns it, so every rank decides the same.
+    """
+    for column, source in ((0, "snapshot"), (1, "disk")):
+        best = int(table[:, column].max())
+        if best >= 0 and best >= int(table.max()):
+            owner = int((table[:, column] == best).nonzero()[0, 0])
+            return Agreement(source, best, ranks[owner])
+    return Agreement("none", 0, -1)
+
+
+def agree_on_newest(
+    *, local_snapshot_step: int | None, disk_step: int | None, group: dist.ProcessGroup | None
+) -> Agreement:
+    """Agree, in one all_gather of two integers per rank, on the newest state anyone holds.
+
+    ``local_snapshot_step`` is this node's verified snapshot (``SnapshotStore.latest_step``
+    or the step of ``load()``), ``disk_step`` the newest checkpoint this rank can read.
+    Without an initialized process group it decides from the local values alone.
+    """
+    mine = torch.tensor(
+        [
+            -1 if local_snapshot_step is None else local_snapshot_step,
+            -1 if disk_step is None else disk_step,
+        ],
+        dtype=torch.int64,
+    )
+    if not (dist.is_available() and dist.is_initialized()):
+        return decide(mine.unsqueeze(0), [0])
+    device = _collective_device(group)
+    gathered = [
+        torch.empty(2, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
+    ]
+    dist.all_gather(gathered, mine.to(device), group=group)
+    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(len(gathered))]
+    agreement = decide(torch.stack(gathered).cpu(), ranks)
+    log.info(
+        "restore_agreed",
+        source=agreement.source,
+        step=agreement.step,
+        owner_rank=agreement.owner_rank,
+    )
+    return agreement
+
+
+def broadcast_state(
+    state: dict | None,
+    src: int,
+    group: dist.ProcessGroup | None,
+    *,
+    map_location: str | torch.device = "cpu",
+) -> dict:
+    """Ship ``state`` from global rank ``src`` to every rank of ``group``.
+
+    The state travels as ``torch.save`` bytes in a uint8 tensor (two broadcasts:
+    size, then payload) and is read back with ``weights_only=True``, so no
+    peer can make us unpickle an arbitrary object. ``src`` gets its own
+    ``state`` back; the others pass anything (ignored).
+    """
+    device = _collective_device(group)
+    is_src = dist.get_rank() == src
+    if is_src and state is None:
+        raise ValueError(f"broadcast_state: the source rank {src} must pass its state")
+    if is_src:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src, group=group)
+    if not is_src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    on_device = payload.to(device)
+    dist.broadcast(on_device, src, group=group)
+    if is_src:
+        return state
+    data = bytes(on_device.cpu().untyped_storage())
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
