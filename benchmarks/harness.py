@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -140,11 +140,20 @@ class Outcome:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
 
-Measure = Callable[[Competitor, Path], dict[str, Any]]
+class Contender(Protocol):
+    """Anything that can be measured A/B: a Competitor, or a variant of one setup."""
+
+    @property
+    def name(self) -> str: ...
+
+    def unavailable(self) -> str | None: ...
+
+
+Measure = Callable[[Any, Path], dict[str, Any]]
 
 
 def run_interleaved(
-    competitors: Sequence[Competitor], *, repeats: int, measure: Measure, workdir: Path
+    competitors: Sequence[Contender], *, repeats: int, measure: Measure, workdir: Path
 ) -> dict[str, Outcome]:
     """Run ``measure`` A/B/A/B: repetition r of every competitor before r+1.
 
@@ -276,15 +285,19 @@ def headline_ratios(
 def run_benchmark(
     name: str,
     args: argparse.Namespace,
-    competitors: Sequence[Competitor],
+    competitors: Sequence[Contender],
     *,
     measure: Measure,
     metrics: Sequence[str],
     headline: str,
     targets: Callable[[dict[str, dict[str, Any]]], list[Target]],
     settings: dict[str, Any],
+    reference: str = "ours",
 ) -> dict[str, Any]:
-    """Interleave, summarize, check targets and write ``{name}.json``."""
+    """Interleave, summarize, check targets and write ``{name}.json``.
+
+    ``ratios`` divide each contender's median ``headline`` by ``reference``'s.
+    """
     started = time.time()
     host = machine()
     tmp = scratch(args.workdir)
@@ -305,9 +318,10 @@ def run_benchmark(
         "repeats": args.repeats,
         "settings": settings,
         "headline_metric": headline,
-        "ratios_to_ours": headline_ratios(summary, metric=headline),
-        "summary": summary,
+        "reference": reference,
+        "ratios": headline_ratios(summary, metric=headline, reference=reference),
         "targets": [t.to_json() for t in targets(summary)],
+        "summary": summary,
         "runs": {n: asdict(o) for n, o in outcomes.items()},
     }
     write_results(name, payload, out_dir=args.out_dir)

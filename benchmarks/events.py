@@ -1,0 +1,87 @@
+"""One fault or join against a running cluster, audited the way the local
+runner audits it (``elastic_train.chaos.recovery_after``): event -> the last
+rank's record of the first step of the first attempt that started after it;
+lost steps = the highest step completed before the event minus the step that
+attempt restored.
+
+The breakdown (seconds after the event) comes from the agents' log lines,
+stamped as they reach the log, and the workers' ``resume`` records:
+
+- ``peer_error``: a worker saw its peer's connection drop;
+- ``failure_noticed``: an agent saw its worker group fail, or joined a new round;
+- ``dead_node_pruned``: only where the backend logs it above DEBUG (torch's
+  dynamic rendezvous logs it at DEBUG on a logger torchrun leaves at INFO, so
+  it is null for the torch backends and ours, which uses torch's handler);
+- ``round_closed``: an agent's "Rendezvous complete";
+- ``workers_spawned``: "Starting worker group";
+- ``restored``: the first ``resume`` record (checkpoint or snapshot loaded).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster import BenchCluster
+from benchmarks.harness import Competitor
+from benchmarks.workloads import Workload
+from elastic_train.chaos import ChaosKind
+
+#: (breakdown key, regex over the agents' output).
+STAGES = (
+    ("peer_error", r"Connection (reset|closed) by peer"),
+    ("failure_noticed", r"Worker group (FAILED|UNHEALTHY)|attempts to join the next round"),
+    ("dead_node_pruned", r"Detected dead node|dead_node_pruned|node_pruned"),
+    ("round_closed", r"Rendezvous complete for workers"),
+    ("workers_spawned", r"Starting worker group"),
+)
+EVENT_METRICS = (
+    "seconds",
+    "lost_steps",
+    *(f"{key}_seconds" for key, _ in STAGES),
+    "restored_seconds",
+)
+
+
+def measure_event(
+    comp: Competitor,
+    workdir: Path,
+    *,
+    kind: ChaosKind,
+    nodes: int,
+    world_after: int,
+    warmup_steps: int,
+    timeout: float,
+    workload: Workload | None = None,
+) -> dict[str, Any]:
+    """Start ``nodes`` nodes, train ``warmup_steps``, deliver ``kind`` and time the recovery.
+
+    A kill or term hits the last node; a join starts node ``nodes``.
+    """
+    target = nodes if kind == "join" else nodes - 1
+    spec = {
+        "nodes": nodes,
+        "min_nodes": min(nodes, world_after),
+        "max_nodes": max(nodes, world_after),
+    }
+    with BenchCluster(comp, workload or Workload(), workdir, **spec) as cluster:
+        cluster.wait_step(warmup_steps, world_size=nodes, timeout=timeout)
+        moment = cluster.deliver(kind, target)
+        rec = cluster.wait_recovery(
+            kind=kind, node=target, event_time=moment, world_size=world_after, timeout=timeout
+        )
+        others = [
+            f"node{i}" for i in range(max(nodes, target + 1)) if i != target or kind == "join"
+        ]
+        return {**rec.to_json(), **breakdown(cluster, moment, others)}
+
+
+def breakdown(cluster: BenchCluster, event_time: float, nodes: list[str]) -> dict[str, Any]:
+    """Seconds from the event to each stage (None when a stage left no trace)."""
+    out: dict[str, Any] = {}
+    for key, pattern in STAGES:
+        stamp = cluster.logs.first(pattern, after=event_time, nodes=nodes)
+        out[f"{key}_seconds"] = None if stamp is None else stamp - event_time
+    resumes = [r.time for r in cluster.tail.log.resumes if r.time >= event_time]
+    out["restored_seconds"] = min(resumes) - event_time if resumes else None
+    return out

@@ -1,0 +1,43 @@
+"""Graceful preemption: three nodes train, one node's agent gets SIGTERM (as
+Kubernetes sends it to a pod's PID 1; torchrun passes it on to its workers),
+and we count the steps lost and time SIGTERM -> first completed step at world
+size 2 (measured as ``benchmarks.events`` describes).
+
+    python -m benchmarks.preemption --repeats 5
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import harness
+from benchmarks.events import EVENT_METRICS, measure_event
+
+
+def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
+    lost = summary.get("ours", {}).get("lost_steps", {}).get("max")
+    return [harness.Target("ours max lost steps on SIGTERM", lost, 0)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
+    args = parser.parse_args(argv)
+    kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60, "timeout": 150.0}
+    if args.smoke:
+        kwargs = {"nodes": 2, "warmup_steps": 5, "timeout": 60.0}
+    harness.run_benchmark(
+        "preemption_smoke" if args.smoke else "preemption",
+        args,
+        harness.select_competitors(args.competitors),
+        measure=lambda c, d: measure_event(
+            c, d, kind="term", world_after=kwargs["nodes"] - 1, **kwargs
+        ),
+        metrics=EVENT_METRICS,
+        headline="seconds",
+        targets=targets,
+        settings=kwargs,
+    )
+
+
+if __name__ == "__main__":
+    main()
