@@ -358,14 +358,6 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     config = parse_config(params)
     backend, store = _create_backend(params, config)
-    if os.environ.setdefault(_SHARE_STORE_ENV, "1") == "1":
-        log.info("rendezvous_tcp_store_sharing_off", reason="lets nodes join a running job")
-    if params.backend == "etcd":
-        log.info(
-            "etcd_backend_takeover",
-            message="rendezvous backend 'etcd' is served by elastic_train's etcd v3 backend "
-            f"(set {NO_TAKEOVER_ENV}=1 for torch's v2-API backend)",
-        )
     settings = config.handler
     timeout = RendezvousTimeout(
         join=timedelta(seconds=settings.join_timeout),
@@ -384,7 +376,17 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )
-    return node_agent.wrap_handler(handler, params)
+    # wrap_handler configures the agent's logging, so log after it.
+    wrapped = node_agent.wrap_handler(handler, params)
+    if os.environ.setdefault(_SHARE_STORE_ENV, "1") == "1":
+        log.info("rendezvous_tcp_store_sharing_off", reason="lets nodes join a running job")
+    if params.backend == "etcd":
+        log.info(
+            "etcd_backend_takeover",
+            message="rendezvous backend 'etcd' is served by elastic_train's etcd v3 backend "
+            f"(set {NO_TAKEOVER_ENV}=1 for torch's v2-API backend)",
+        )
+    return wrapped
 
 
 HandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]

@@ -32,7 +32,7 @@ def _params(endpoint: str, backend: str = "etcd-v3", **conf: object) -> Rendezvo
         run_id=f"run-{uuid.uuid4().hex[:8]}",
         min_nodes=int(conf.pop("min_nodes", 1)),  # type: ignore[call-overload]
         max_nodes=int(conf.pop("max_nodes", 1)),  # type: ignore[call-overload]
-        **conf,
+        **{"metrics_port": "off", **conf},
     )
 
 
@@ -291,5 +291,3 @@ def test_etcd_takeover_opt_out() -> None:
         timeout=120,
     ).stdout.split()
     assert out == ["torch.distributed.elastic.rendezvous.registry", "elastic_train.rendezvous"]
-
-
