@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from elastic_train.cli import EXIT_USAGE, main
+from elastic_train import proctree
+from elastic_train.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
 
 
 def _no_run_started(run_dir: Path) -> bool:
@@ -48,3 +53,44 @@ def test_a_subcommand_is_required(capsys: pytest.CaptureFixture[str]) -> None:
         main([])
     assert info.value.code == EXIT_USAGE
     assert "local" in capsys.readouterr().err
+
+
+def _run_processes(runner: psutil.Process, run_dir: Path) -> list[psutil.Process]:
+    """The runner's descendants (etcd, agents, workers) and anything naming the run dir."""
+    found = {p.pid: p for p in runner.children(recursive=True)}
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(run_dir) in arg for arg in proc.info["cmdline"] or ()):
+            found.setdefault(proc.pid, proc)
+    found.pop(runner.pid, None)
+    return list(found.values())
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_of_the_run(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2", "--quiet",
+        "--run-dir", str(tmp_path), "--model.name=mlp", "--data.name=synthetic",
+        "--training.steps=100000",
+    ]  # fmt: skip
+    runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        audit = tmp_path / "audit"
+        # Training is under way once both nodes' workers have recorded a step.
+        deadline = time.monotonic() + 120
+        while len({p.name.split("-")[1] for p in audit.glob("worker-*.jsonl")}) < 2:
+            assert runner.poll() is None, runner.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no training within 120 s"
+            time.sleep(0.1)
+        procs = _run_processes(psutil.Process(runner.pid), tmp_path)
+        names = [" ".join(p.cmdline()) for p in procs]
+        assert sum("torch.distributed.run" in n for n in names) == 2
+        assert sum("main.py" in n and "torch.distributed.run" not in n for n in names) == 2
+        assert sum("etcd" in p.name() for p in procs) == 1
+        runner.send_signal(signal.SIGINT)
+        _, err = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert runner.returncode == EXIT_INTERRUPTED, err[-3000:]
+    assert proctree.alive(procs) == []
+    assert proctree.alive(_run_processes(psutil.Process(), tmp_path)) == []
