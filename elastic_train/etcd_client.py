@@ -320,10 +320,12 @@ class EtcdClient:
                 tried_all = len(failures) == len(self._members)
                 if tried_all and all(_is_tls_failure(c) for c in failures.values()):
                     # A certificate problem does not heal by retrying.
-                    raise EtcdError(f"TLS failed: {_unavailable_message(failures)}") from exc
+                    causes = _causes(failures)
+                    raise EtcdError(f"TLS handshake with etcd failed ({causes})") from exc
                 if time.monotonic() >= deadline and tried_all:
-                    raise EtcdUnavailableError(_unavailable_message(failures)) from exc
-                if len(failures) == len(self._members):
+                    causes = _causes(failures)
+                    raise EtcdUnavailableError(f"no etcd endpoint answered ({causes})") from exc
+                if tried_all:
                     time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _authenticate(self, member: _Member) -> None:
@@ -407,9 +409,8 @@ def _is_tls_failure(details: str) -> bool:
     return "ssl" in lowered or "handshake" in lowered or "certificate" in lowered
 
 
-def _unavailable_message(failures: dict[str, str]) -> str:
-    causes = "; ".join(f"{name}: {cause}" for name, cause in failures.items())
-    return f"no etcd endpoint answered ({causes})"
+def _causes(failures: dict[str, str]) -> str:
+    return "; ".join(f"{name}: {cause}" for name, cause in failures.items())
 
 
 def _prefix_end(prefix: bytes) -> bytes:
