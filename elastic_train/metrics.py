@@ -386,10 +386,11 @@ class WorkerMetrics:
                 RECOVERY_SECONDS.labels(node_name()).observe(time.time() - self.recovery_started_at)
             self.recovery_started_at = None
 
-    def evaluated(self, *, metrics: Mapping[str, float]) -> None:
-        """Evaluation results by name (``accuracy``, ``perplexity``...)."""
+    def evaluated(self, *, metrics: Mapping[str, float | None]) -> None:
+        """Evaluation results by name (``loss``, ``accuracy``...); ``None``: not measured."""
         for name, value in metrics.items():
-            EVAL.labels(node_name(), name).set(value)
+            if value is not None:
+                EVAL.labels(node_name(), name).set(value)
 
     def resumed(self, *, restored_step: int, lost_steps: int) -> None:
         """State was restored at ``restored_step``; ``lost_steps`` done steps will be redone."""
