@@ -104,10 +104,14 @@ def expand(text: str, env: Mapping[str, str]) -> str:
 
 
 def replace_paths(text: str, mounts: Mapping[str, Path]) -> str:
-    """Replace each mount path (as a whole path prefix) with its local directory."""
-    for mount, local in sorted(mounts.items(), key=lambda item: -len(item[0])):
-        text = re.sub(rf"(?<![\w./-]){re.escape(mount)}(?=/|$|[\"',\s])", str(local), text)
-    return text
+    """Replace each mount path (as a whole path prefix) with its local directory, in one pass."""
+    if not mounts:
+        return text
+    longest_first = sorted(mounts, key=len, reverse=True)
+    pattern = "|".join(re.escape(m) for m in longest_first)
+    return re.sub(
+        rf"(?<![\w./-])({pattern})(?=/|$|[\"',\s])", lambda m: str(mounts[m.group(1)]), text
+    )
 
 
 @dataclass(frozen=True)
@@ -146,12 +150,15 @@ def local_process(
     pod: PodIdentity,
     root: Path,
     substitutions: Mapping[str, str],
+    host_ports: Mapping[int, int] | None = None,
 ) -> LocalProcess:
     """The process a container of ``pod_spec`` would run, on this machine.
 
     ``root`` holds the pod's volumes (``root/<pod>/<volume>``, PVCs shared as
     ``root/pvc/<claim>``); ``substitutions`` maps texts such as ``etcd:2379``
     to their local stand-ins, in the arguments, environment and ConfigMaps.
+    Pods share this machine's network, so each container port is moved to
+    ``host_ports[port]`` in the environment variables that name it.
     """
     mounts = _mount_volumes(objs, pod_spec, c, pod=pod, root=root, substitutions=substitutions)
     env: dict[str, str] = {}
@@ -167,7 +174,8 @@ def local_process(
             text = text.replace(old, new)
         return text
 
-    env = {k: localize(v) for k, v in env.items()}
+    moved = {str(p): str(q) for p, q in (host_ports or {}).items()}
+    env = {k: moved.get(v, localize(v)) for k, v in env.items()}
     entrypoint, workdir = image_entrypoint()
     command = c.get("command", entrypoint)
     args = [localize(expand(a, env)) for a in c.get("args", [])]

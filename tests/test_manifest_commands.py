@@ -1,0 +1,258 @@
+"""The deployment files' commands really run.
+
+The trainer command of the rendered Kubernetes Job, and the torchrun line of
+the Slurm script, are run as real processes against a real etcd until
+training completes, so a typo in a manifest's command line fails CI. Only
+what a cluster would provide is stood in for: service names become loopback
+endpoints, volumes become temporary directories, ``srun`` starts one task
+per "node" on this machine. Training is kept tiny with config overrides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from k8s_manifests import REPO_ROOT, PodIdentity, container, find, local_process, render
+
+from elastic_train import proctree
+from elastic_train.config import load_config
+from elastic_train.errors import EXIT_CONFIG_ERROR
+from elastic_train.etcd_server import EtcdServer, free_port
+
+STEPS = 40
+TINY = (
+    "--model.hidden_size=16",
+    "--model.num_layers=1",
+    "--model.num_heads=2",
+    "--data.seq_len=16",
+    f"--training.steps={STEPS}",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=8",
+    "--training.final_loss_samples=16",
+    "--schedule.warmup_steps=0",
+    "--checkpoint.interval_steps=10",
+)
+DEADLINE_S = 240.0
+SBATCH = REPO_ROOT / "deploy" / "slurm" / "train.sbatch"
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Started processes; their whole trees are killed at the end, whatever happened."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proctree.kill_tree(psutil.Process(proc.pid))
+        proc.wait(timeout=30)
+
+
+def _start(
+    argv: list[str], *, env: dict[str, str], cwd: Path, log: Path
+) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+
+def _scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as response:
+            return response.read().decode()
+    except OSError:
+        return ""
+
+
+def _wait_all(
+    procs: list[subprocess.Popen[bytes]], logs: list[Path], *, metrics_ports: list[int] = ()
+) -> set[int]:
+    """Wait for every process; returns the metrics ports that served elastic_train metrics."""
+    served: set[int] = set()
+    deadline = time.monotonic() + DEADLINE_S
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs)
+            pytest.fail(f"not finished within {DEADLINE_S:.0f} s\n{tails}")
+        served |= {p for p in set(metrics_ports) - served if "elastic_train_" in _scrape(p)}
+        time.sleep(0.2)
+    return served
+
+
+def _result(audit_dir: Path) -> dict:
+    return json.loads((audit_dir / "result.json").read_text())
+
+
+def _world_sizes(audit_dir: Path) -> set[int]:
+    records = (
+        json.loads(line)
+        for path in audit_dir.glob("worker-*.jsonl")
+        for line in path.read_text().splitlines()
+    )
+    return {r["world_size"] for r in records if r.get("kind") == "step"}
+
+
+@pytest.mark.slow
+def test_two_pods_of_the_rendered_job_train_to_the_end(
+    etcd_server: EtcdServer, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    objs = render("cpu")
+    job = find(objs, "Job", "elastic-train")
+    pod_spec = job["spec"]["template"]["spec"]
+    assert job["spec"]["parallelism"] == 2
+    audit = tmp_path / "audit"
+    ports = [free_port(), free_port()]
+    init_procs, trainers, logs = [], [], []
+    for index in range(job["spec"]["parallelism"]):
+        pod = PodIdentity(
+            name=f"elastic-train-{index}", namespace=job["metadata"]["namespace"],
+            index=index, job_uid="6d1f0b52-0000-4000-8000-k8s-test",
+        )  # fmt: skip
+        make = dict(
+            pod=pod, root=tmp_path, substitutions={"etcd:2379": etcd_server.endpoint},
+            host_ports={9400: ports[index]},
+        )  # fmt: skip
+        init = local_process(objs, pod_spec, container(pod_spec, "config-check"), **make)
+        main = local_process(objs, pod_spec, container(pod_spec, "trainer"), **make)
+        env = {**os.environ, **main.env}
+        init_procs.append(subprocess.run(
+            init.argv, env={**os.environ, **init.env}, cwd=init.cwd,
+            capture_output=True, text=True, timeout=120, check=False,
+        ))  # fmt: skip
+        argv = [*main.argv, *TINY, f"--logging.audit_dir={audit}"]
+        logs.append(tmp_path / f"{pod.name}.log")
+        trainers.append((argv, env, main.cwd, logs[-1]))
+    for init in init_procs:
+        assert init.returncode == 0, init.stderr
+        # The ConfigMap's /checkpoints is the PVC mount, a directory both pods share.
+        printed = tmp_path / "printed.toml"
+        printed.write_text(init.stdout)
+        shared = tmp_path / "pvc" / "elastic-train-checkpoints"
+        assert load_config(printed).checkpoint.dir == str(shared)
+    for argv, env, cwd, log in trainers:
+        processes.append(_start(argv, env=env, cwd=cwd, log=log))
+    served = _wait_all(processes, logs, metrics_ports=ports)
+    for proc, log in zip(processes, logs, strict=True):
+        assert proc.returncode == 0, log.read_text()[-3000:]
+    result = _result(audit)
+    assert result["final_step"] == STEPS
+    assert 2 in _world_sizes(audit), "the two pods never trained in one world"
+    checkpoints = sorted((tmp_path / "pvc" / "elastic-train-checkpoints").glob("step-*"))
+    assert checkpoints and checkpoints[-1].name.endswith(f"{STEPS:09d}")
+    # Each node served its metrics on the port the manifest names `metrics`.
+    assert served == set(ports)
+
+
+@pytest.mark.slow
+def test_a_bad_config_fails_the_init_container_with_the_failjob_exit_code(tmp_path: Path) -> None:
+    objs = render("cpu")
+    job = find(objs, "Job", "elastic-train")
+    pod_spec = job["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == "config"]
+    config_map = find(objs, "ConfigMap", volume["configMap"]["name"])
+    config_map["data"]["train.toml"] = config_map["data"]["train.toml"].replace(
+        "steps = 5000", 'steps = "many"'
+    )
+    pod = PodIdentity(name="elastic-train-0", namespace="elastic-train", index=0, job_uid="x")
+    init = local_process(
+        objs,
+        pod_spec,
+        container(pod_spec, "config-check"),
+        pod=pod,
+        root=tmp_path,
+        substitutions={},
+    )
+    proc = subprocess.run(
+        init.argv, env={**os.environ, **init.env}, cwd=init.cwd,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == EXIT_CONFIG_ERROR
+    assert "training.steps" in proc.stderr
+    (rule,) = [r for r in job["spec"]["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+    assert proc.returncode in rule["onExitCodes"]["values"]
+
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun stand-in: runs the command once per node of the allocation, as
+# `srun --ntasks-per-node=1` does, each with that node's SLURM_* variables.
+set -euo pipefail
+while [[ $# -gt 0 && $1 == -* ]]; do
+    echo "$1" >>"$FAKE_SRUN_OPTIONS"
+    shift
+done
+pids=()
+for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 ELASTIC_TRAIN_NODE=node$node "$@" &
+    pids+=("$!")
+done
+rc=0
+for pid in "${pids[@]}"; do
+    wait "$pid" || rc=$?
+done
+exit "$rc"
+"""
+
+
+def _sbatch_options() -> dict[str, str]:
+    options = {}
+    for line in SBATCH.read_text().splitlines():
+        if match := re.match(r"#SBATCH --([\w-]+)(?:=(\S+))?", line):
+            options[match[1]] = match[2] or ""
+    return options
+
+
+def test_slurm_signal_is_the_trainers_preemption_signal() -> None:
+    options = _sbatch_options()
+    signal_name, _, seconds = options["signal"].partition("@")
+    assert signal_name == "USR1" and int(seconds) >= 60
+    cfg = load_config(REPO_ROOT / "deploy" / "config" / "train.toml")
+    assert cfg.elastic.preemption_signal in (signal_name, f"SIG{signal_name}")
+    assert "no-kill" in options, "a lost node must shrink the job, not end it"
+
+
+@pytest.mark.slow
+def test_slurm_script_trains_on_two_local_nodes(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    audit, checkpoints = tmp_path / "audit", tmp_path / "checkpoints"
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]]),  # noqa: E501
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "elastic-train", "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_SUBMIT_DIR": str(REPO_ROOT), "FAKE_SRUN_OPTIONS": str(tmp_path / "srun-options"),
+        # No etcd endpoint given: the script starts etcd on the first node.
+        "ETCD_PORT": str(free_port()), "ELASTIC_TRAIN_CHECKPOINT_DIR": str(checkpoints),
+        # Two "nodes" share this machine's network: let each pick a free port.
+        "ELASTIC_TRAIN_METRICS_PORT": "0",
+    }  # fmt: skip
+    env.pop("ELASTIC_TRAIN_ETCD_ENDPOINT", None)
+    log = tmp_path / "job.log"
+    argv = ["bash", str(SBATCH), *TINY, f"--logging.audit_dir={audit}"]
+    processes.append(_start(argv, env=env, cwd=REPO_ROOT, log=log))
+    _wait_all(processes, [log])
+    assert processes[0].returncode == 0, log.read_text()[-3000:]
+    assert _result(audit)["final_step"] == STEPS
+    assert 2 in _world_sizes(audit), "the two nodes never trained in one world"
+    assert sorted(checkpoints.glob("step-*"))
+    options = (tmp_path / "srun-options").read_text().split()
+    assert options == ["--ntasks-per-node=1", "--kill-on-bad-exit=0"]
+    # The script's etcd is gone with the job.
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", int(env["ETCD_PORT"])), timeout=1).close()
