@@ -42,6 +42,7 @@ from elastic_train.errors import CheckpointWriteError, ConfigError
 from elastic_train.evaluate import evaluate
 from elastic_train.guards import LoopGuards, build_eval_set
 from elastic_train.log import get_logger
+from elastic_train.metrics import WorkerMetrics
 from elastic_train.precision import Precision
 from elastic_train.registry import DATASETS, LOSSES, MODELS
 from elastic_train.rng import capture_rng_state, restore_rng_state
@@ -80,6 +81,7 @@ class Trainer:
     step: int = 0
     last_saved_step: int = 0
     last_save_time: float = field(default_factory=time.monotonic)
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics.from_env)
     #: Set by build() after the restore.
     ddp: DistributedDataParallel = field(init=False)
 
@@ -246,10 +248,11 @@ def restore(t: Trainer) -> None:
         load_state_dict(t, loaded[1])
         saved_world_size = (t.checkpoint.loaded_metadata or {}).get("world_size")  # type: ignore[union-attr]
     t.last_saved_step = t.step
-    reached = _read_progress(t.cfg.checkpoint.dir)
+    lost_steps = max(0, _read_progress(t.cfg.checkpoint.dir) - t.step)
+    t.metrics.resumed(restored_step=t.step, lost_steps=lost_steps)
     log.info(
         "resumed", restored_step=t.step, source="disk" if loaded else "none",
-        lost_steps=max(0, reached - t.step), world_size=t.ctx.world_size,
+        lost_steps=lost_steps, world_size=t.ctx.world_size,
         saved_world_size=saved_world_size, epoch=t.sampler.epoch,
         samples_consumed=t.sampler.samples_consumed, attempt=t.attempt,
     )  # fmt: skip
@@ -360,6 +363,10 @@ def report_step(t: Trainer, stats: StepStats, shard: list[int]) -> None:
     if t.audit is not None:
         t.audit.step(step=stats.step, epoch=stats.epoch, indices=shard, loss=stats.loss)
     _write_progress(t)
+    t.metrics.step_completed(
+        step=stats.step, samples=len(shard), seconds=stats.seconds, loss=stats.loss,
+        world_size=t.ctx.world_size,
+    )  # fmt: skip
     if stats.step % t.cfg.logging.log_every_steps == 0 or stats.step == 1:
         log.info(
             "step", step=stats.step, epoch=stats.epoch, loss=round(stats.loss, 5),
@@ -414,6 +421,7 @@ def run_evaluation(t: Trainer, *, reason: str) -> None:
             rank=t.ctx.rank, world_size=t.ctx.world_size, device=t.ctx.device,
             autocast=t.precision.autocast,
         )  # fmt: skip
+    t.metrics.evaluated(metrics={"loss": result.loss, "accuracy": result.accuracy})
     log.info("evaluation", step=t.step, reason=reason, **result.as_dict())
 
 
@@ -450,6 +458,7 @@ def finish(t: Trainer) -> TrainResult:
 def close(t: Trainer) -> None:
     """Flush an in-flight checkpoint and close files; safe after a failed step."""
     t.guards.close()
+    t.metrics.close()
     if t.checkpoint is not None:
         t.checkpoint.close()
     if t.audit is not None:
