@@ -32,9 +32,11 @@ import structlog
 __all__ = [
     "REDACTED",
     "bind_context",
+    "clear_context",
     "configure_logging",
     "configure_logging_if_unconfigured",
     "get_logger",
+    "merge_process_context",
     "redact_secrets",
     "register_secret",
 ]
@@ -58,6 +60,7 @@ _SECRET_IN_TEXT = (
     re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)([^@\s/]+)(?=@)"),  # scheme://user:pw@
 )
 _secrets: set[str] = set()
+_process_context: dict[str, Any] = {}
 
 
 def register_secret(value: str | None) -> None:
@@ -118,6 +121,7 @@ def configure_logging(*, level: str = "INFO", json: bool | None = None) -> None:
     )
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        merge_process_context,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -160,5 +164,18 @@ def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
 
 
 def bind_context(**context: Any) -> None:
-    """Bind context (run_id, node, rank, ...) to every later event of this process."""
-    structlog.contextvars.bind_contextvars(**context)
+    """Bind context (run_id, node, rank, ...) to every later event of this process.
+
+    Process-wide, not a context variable: events from threads started earlier or
+    later (the checkpoint writer, the watchdog) carry it too.
+    """
+    _process_context.update(context)
+
+
+def clear_context() -> None:
+    _process_context.clear()
+
+
+def merge_process_context(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor: add the :func:`bind_context` keys; an event's own keys win."""
+    return {**_process_context, **event_dict}

@@ -12,12 +12,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 import torch
 from structlog.testing import capture_logs
 
 from elastic_train.checkpoint import CheckpointManager
-from elastic_train.log import REDACTED, bind_context, redact_secrets, register_secret
+from elastic_train.log import (
+    REDACTED,
+    bind_context,
+    clear_context,
+    merge_process_context,
+    redact_secrets,
+    register_secret,
+)
 
 CONTEXT = {
     "run_id": "run-7",
@@ -27,21 +33,22 @@ CONTEXT = {
     "world_size": 4,
     "restart": 1,
 }
-PROCESSORS = [structlog.contextvars.merge_contextvars, redact_secrets]
+PROCESSORS = [merge_process_context, redact_secrets]
 
 
 @pytest.fixture
 def bound_context() -> Iterator[dict]:
     bind_context(**CONTEXT)
     yield CONTEXT
-    structlog.contextvars.clear_contextvars()
+    clear_context()
 
 
 def test_checkpoint_events_carry_the_bound_context(tmp_path: Path, bound_context: dict) -> None:
     manager = CheckpointManager(tmp_path, keep=2, fingerprint="fp", is_writer=True)
     with capture_logs(processors=PROCESSORS) as logs:
         manager.save(5, {"w": torch.ones(3), "step": 5}, blocking=True)
-        manager.save(6, {"w": torch.ones(3), "step": 6}, blocking=True)
+        manager.save(6, {"w": torch.ones(3), "step": 6})  # logged by the writer thread
+        manager.flush()
         (tmp_path / "step-000000006" / "state.pt").write_bytes(b"torn")
         assert manager.load_latest(map_location="cpu")[0] == 5
     saved = [entry for entry in logs if entry["event"] == "checkpoint_saved"]
