@@ -21,10 +21,11 @@ prefix=${ETCD_KEY_PREFIX:-/elastic-train/}
 role="${user}-rendezvous"
 export ETCDCTL_API=3
 
-# Once authentication is on, every request needs the root credentials; before,
-# etcd refuses to authenticate at all, which is how a first run is told apart.
+# Once authentication is on, every request needs the root credentials (before,
+# etcdctl ignores them). Only root may read the status once it is on.
 auth_enabled=false
-if ETCDCTL_USER="root:${ETCD_ROOT_PASSWORD}" etcdctl auth status >/dev/null 2>&1; then
+if ETCDCTL_USER="root:${ETCD_ROOT_PASSWORD}" etcdctl auth status 2>/dev/null |
+    grep -q 'Authentication Status: true'; then
     auth_enabled=true
     export ETCDCTL_USER="root:${ETCD_ROOT_PASSWORD}"
 fi
