@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ ETCD_BACKENDS = frozenset({"etcd", "etcd-v3", "etcd-v2"})
 #: set in every process of a run (inherited by workers) so the last cleanup
 #: sweep finds even workers orphaned before the runner saw them
 RUN_MARKER_ENV = "ELASTIC_TRAIN_LOCAL_RUN"
+#: seconds between two scans for the processes of the nodes (see ``poll``)
+SCAN_INTERVAL_S = 1.0
 #: placeholders that ``script_args`` may contain, for scripts other than ours
 PLACEHOLDERS = ("{run_dir}", "{audit_dir}", "{checkpoint_dir}")
 
@@ -109,6 +112,8 @@ class Node:
     proc: subprocess.Popen[bytes]
     fate: str = "running"
     stopped: list[psutil.Process] = field(default_factory=list)
+    #: wall time, comparable with the audit records' times
+    started_at: float = field(default_factory=time.time)
 
     @property
     def name(self) -> str:
@@ -120,7 +125,7 @@ class Node:
 
     def state(self) -> str:
         if self.alive:
-            return self.fate if self.fate != "running" else "running"
+            return self.fate
         if self.fate in ("killed", "terminated"):
             return self.fate
         return f"exited({self.proc.returncode})"
@@ -138,6 +143,7 @@ class LocalCluster:
         self.endpoint = spec.rdzv_endpoint or ""
         self._seen: dict[tuple[int, float], psutil.Process] = {}
         self._free_ports: dict[int, int] = {}
+        self._last_scan = float("-inf")
         #: every agent ever started, for the last wait (nodes holds the latest only)
         self.incarnations: list[Node] = []
 
@@ -255,8 +261,16 @@ class LocalCluster:
         return [node for node in self.nodes.values() if node.alive]
 
     def poll(self) -> None:
-        """Reap exited agents and remember every process seen, for the final sweep."""
-        for node in self.alive_nodes():
+        """Reap exited agents; now and then remember every process seen, for the final sweep.
+
+        Listing descendants scans /proc, so it is throttled: callers (the
+        benchmarks) may poll many times a second on a 2-core machine.
+        """
+        alive = self.alive_nodes()
+        if time.monotonic() - self._last_scan < SCAN_INTERVAL_S:
+            return
+        self._last_scan = time.monotonic()
+        for node in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 self._remember(proctree.descendants(psutil.Process(node.proc.pid)))
 
@@ -311,6 +325,7 @@ class LocalCluster:
                 shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
 
     def _stop_nodes(self) -> None:
+        self._last_scan = float("-inf")  # a fresh scan: the last one may be a second old
         self.poll()
         alive = self.alive_nodes()
         if alive:

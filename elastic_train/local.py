@@ -36,7 +36,7 @@ from elastic_train.audit import (
     read_result,
 )
 from elastic_train.chaos import ChaosEvent, Recovery, parse_schedule, recovery_after
-from elastic_train.cluster import ClusterSpec, LocalCluster
+from elastic_train.cluster import ClusterSpec, LocalCluster, Node
 from elastic_train.log import get_logger
 from elastic_train.progress import ProgressBoard
 
@@ -221,8 +221,16 @@ class _Supervisor:
     def draw(self, *, final: bool = False) -> None:
         if self.progress is None:
             return
-        states = {node.name: node.state() for node in self.cluster.nodes.values()}
+        states = {node.name: self._state(node) for node in self.cluster.nodes.values()}
         self.progress(self.board.lines(states, elapsed=self.elapsed), force=final)
+
+    def _state(self, node: Node) -> str:
+        state = node.state()
+        if state != "running":
+            return state
+        # Until its workers record a step, a node is starting or in a rendezvous.
+        training = self.board.has_records_since(node.name, node.started_at)
+        return "training" if training else "starting"
 
 
 def summarize(

@@ -25,6 +25,7 @@ class _NodeProgress:
     world_size: int | None = None
     step: int = 0
     loss: float | None = None
+    last_time: float = float("-inf")
     recent: deque[tuple[float, int]] = field(default_factory=deque)
 
     def samples_per_second(self, now: float) -> float:
@@ -50,6 +51,7 @@ class ProgressBoard:
         for record in records:
             node = self.nodes.setdefault(record.node, _NodeProgress())
             node.world_size = record.world_size
+            node.last_time = max(node.last_time, record.time)
             if isinstance(record, StepRecord):
                 self._observe_step(node, record)
 
@@ -65,6 +67,10 @@ class ProgressBoard:
             del self._partial[(record.attempt, record.step)]
             self.step, self.world_size = record.step, record.world_size
             self.loss = acc[0] / acc[1] if acc[1] else None
+
+    def has_records_since(self, node: str, wall_time: float) -> bool:
+        progress = self.nodes.get(node)
+        return progress is not None and progress.last_time >= wall_time
 
     def lines(self, states: Mapping[str, str], *, elapsed: float) -> list[str]:
         """One header line for the cluster, then one line per node."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import signal
 import time
 from collections.abc import Callable
@@ -11,10 +12,12 @@ import psutil
 import pytest
 
 from elastic_train import proctree
+from elastic_train.audit import StepRecord
 from elastic_train.chaos import ChaosEvent
 from elastic_train.cluster import RUN_MARKER_ENV, ClusterSpec, LocalCluster
 from elastic_train.errors import ConfigError
 from elastic_train.local import run_local
+from elastic_train.progress import ProgressBoard, ProgressPrinter
 
 WORKER = str(Path(__file__).with_name("local_worker.py"))
 
@@ -110,3 +113,40 @@ def test_agent_command_line(tmp_path: Path) -> None:
         f"--logging.audit_dir={tmp_path / 'audit'}",
         f"--checkpoint.dir={tmp_path / 'checkpoints'}",
     ]
+
+
+def _step(rank: int, indices: tuple[int, ...], loss: float) -> StepRecord:
+    return StepRecord(attempt="a", step=5, epoch=0, rank=rank, world_size=2, node=f"node{rank}",
+                      indices=indices, loss=loss, time=time.time())  # fmt: skip
+
+
+def test_progress_shows_what_the_records_say() -> None:
+    board = ProgressBoard()
+    board.observe([_step(0, (1, 2, 3), 1.0)])
+    assert board.step == 0  # a step counts once every rank recorded it
+    board.observe([_step(1, (4, 5), 2.0)])
+    states = {"node0": "training", "node1": "killed", "node2": "starting"}
+    header, node0, node1, node2 = board.lines(states, elapsed=3.0)
+    # The loss of the step is the sample-weighted mean over the ranks: (3 * 1 + 2 * 2) / 5.
+    assert "step      5" in header and "world 2" in header and "loss 1.4000" in header
+    assert "node0" in node0 and "training" in node0 and "loss 1.0000" in node0
+    assert "killed" in node1 and "starting" in node2 and "world -" in node2
+
+
+def test_progress_printer_plain_blocks_or_an_in_place_redraw() -> None:
+    plain = io.StringIO()
+    printer = ProgressPrinter(plain, interval_s=60)
+    printer(["a", "b"])
+    printer(["c", "d"])  # within the interval: nothing
+    printer(["e", "f"], force=True)
+    assert plain.getvalue() == "a\nb\ne\nf\n"
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    printer = ProgressPrinter(tty, interval_s=0)
+    printer(["a", "b"])
+    printer(["c", "d"])
+    assert tty.getvalue() == "\x1b[2Ka\n\x1b[2Kb\n\x1b[2F\x1b[2Kc\n\x1b[2Kd\n"
