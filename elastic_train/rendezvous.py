@@ -301,7 +301,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         while True:
             try:
                 return super().next_rendezvous()
-            except RendezvousConnectionError as exc:
+            except (RendezvousConnectionError, EtcdUnavailableError) as exc:
+                if not _is_outage(exc):
+                    raise  # bad credentials or permissions: retrying cannot help
                 if time.monotonic() >= deadline:
                     raise RendezvousConnectionError(
                         f"rendezvous '{self.settings.run_id}' failed: etcd unreachable for "
@@ -316,6 +318,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         except RendezvousConnectionError as exc:
             log.warning("rendezvous_etcd_unreachable", run_id=self.settings.run_id, error=str(exc))
             return 0
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` (the backend's or the store's) means "no etcd member answered"."""
+    return isinstance(exc, EtcdUnavailableError) or isinstance(exc.__cause__, EtcdUnavailableError)
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -111,6 +111,15 @@ def test_corrupt_stored_bytes_raise_state_error(etcd_endpoint: str) -> None:
         backend.get_state()
 
 
+def test_unreachable_endpoint_is_connection_error_within_dial_timeout() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    backend, _ = create_backend(_params(endpoint, dial_timeout=1))
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"unreachable.*{endpoint}"):
+        backend.set_state(b"s")
+    assert time.monotonic() - start < 1.8
+
+
 def test_backend_name_is_the_requested_one(etcd_endpoint: str) -> None:
     assert create_backend(_params(etcd_endpoint, backend="etcd"))[0].name == "etcd"
     assert create_backend(_params(etcd_endpoint))[0].name == "etcd-v3"

@@ -21,6 +21,7 @@ from elastic_train.etcd_server import EtcdServer
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_minimal.py"
 STEPS = 12
+NNODES = "1:2"
 pytestmark = pytest.mark.slow
 
 
@@ -68,7 +69,7 @@ def _start(
 ) -> Agent:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
+        "--nnodes", NNODES, "--nproc-per-node", "1", "--max-restarts", "3",
         "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--rdzv-conf", "join_timeout=60,metrics_port=off",
         str(SCRIPT), "--out", str(out), "--steps", str(STEPS), *script_args,

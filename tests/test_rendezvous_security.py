@@ -199,6 +199,18 @@ def test_wrong_password_is_a_clear_connection_error(
     assert time.monotonic() - start < 2
 
 
+def test_wrong_password_fails_the_rendezvous_without_retrying(
+    auth_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ETCD_USERNAME", "trainer")
+    monkeypatch.setenv("ETCD_PASSWORD", "wrong")
+    handler = rendezvous.create_handler(_params(auth_server.endpoint, join_timeout=60))
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="credentials"):
+        handler.next_rendezvous()
+    assert time.monotonic() - start < 5  # not join_timeout: retrying cannot fix a password
+
+
 def test_outside_the_prefix_is_a_permission_error_not_grpc(
     auth_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

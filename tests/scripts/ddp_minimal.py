@@ -55,7 +55,7 @@ def main() -> None:
                 tmp = checkpoint.with_suffix(".tmp")
                 torch.save({"model": model.module.state_dict(), "step": step}, tmp)
                 os.replace(tmp, checkpoint)
-            record = {"step": step, "rank": rank, "world_size": world_size}
+            record = {"step": step, "rank": rank, "world_size": world_size, "time": time.time()}
             log.write(json.dumps(record) + "\n")
             log.flush()
             time.sleep(args.step_seconds)
