@@ -1,0 +1,290 @@
+"""Chaos tests: real torchrun agents, real etcd, real signals (issue 4).
+
+Every scenario drives a :class:`LocalCluster` step by step: an action fires
+once the audited training has reached a step, so the tests do not depend on how
+fast a shared machine is. Each asserts that training completed, that the audit
+found every sample exactly once per epoch, that the final parameters are close
+to a fault-free run, and that the logs name what happened.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from trainer_procs import run_workers
+
+from elastic_train.audit import RESULT_FILE, AuditTail, StepRecord
+from elastic_train.chaos import ChaosEvent
+from elastic_train.cluster import ClusterSpec, LocalCluster
+from elastic_train.errors import EXIT_HANG
+from elastic_train.etcd_server import EtcdCluster, EtcdServer
+from elastic_train.local import Delivery, Summary, summarize
+
+TESTS_DIR = Path(__file__).resolve().parent
+#: the pause that makes a step last long enough for faults to land mid-training
+PAUSE = "model.options.pause_s=0.05"
+JOB = (
+    "model.name=chaos_model:slow_mlp",
+    "model.hidden_size=128",  # a checkpoint of ~200 KB, for the disk-full limit
+    "model.num_layers=2",
+    "data.name=synthetic",
+    "data.num_samples=256",
+    "data.num_features=8",
+    "data.num_classes=4",
+    "training.global_batch_size=16",
+    "training.micro_batch_size=0",
+    "training.final_loss_samples=256",
+    "optimizer.lr=0.01",
+    "schedule.name=constant",
+    "schedule.warmup_steps=3",
+    "checkpoint.interval_steps=10",
+    "logging.format=json",
+    "logging.log_every_steps=50",
+)
+#: summation order changes with the world size; everything else is replayed exactly
+PARAM_ATOL = 1e-4
+_references: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def reference_params(steps: int, tmp_root: Path) -> dict[str, torch.Tensor]:
+    """The fault-free result: one process without the pause (the trainer is world-size
+    invariant and the pause changes no number)."""
+    if steps not in _references:
+        audit = tmp_root / f"reference-{steps}"
+        overrides = [*JOB, f"training.steps={steps}", "model.options.pause_s=0",
+                     "checkpoint.dir=", f"logging.audit_dir={audit}"]  # fmt: skip
+        run_workers(1, overrides)
+        _references[steps] = torch.load(audit / "final_params.pt", weights_only=True)
+    return _references[steps]
+
+
+class Scenario:
+    """One cluster run with a scripted sequence of faults; ``run()`` audits it."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        steps: int,
+        nodes: int = 2,
+        args: tuple[str, ...] = (),
+        rdzv_endpoint: str | None = None,
+        timeout_s: float = 240.0,
+    ) -> None:
+        pythonpath = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+        job = (*JOB, PAUSE, f"training.steps={steps}", *args)
+        self.spec = ClusterSpec(
+            nodes=nodes, script_args=tuple(f"--{o}" for o in job), rdzv_endpoint=rdzv_endpoint,
+            env=(("PYTHONPATH", pythonpath),), metrics_port=None, timeout_s=timeout_s,
+        )  # fmt: skip
+        self.steps = steps
+        self.run_dir = run_dir
+        self.cluster = LocalCluster(self.spec, run_dir=run_dir)
+        self.deliveries: list[Delivery] = []
+        self.step = 0
+        self._tail = AuditTail(self.cluster.audit_dir)
+        self._started = time.monotonic()
+
+    def deliver(self, kind: str, node: int) -> float:
+        """A chaos event now, as the runner delivers it; returns its wall time."""
+        event = ChaosEvent(kind, node, at_seconds=0)  # type: ignore[arg-type]
+        now, elapsed = time.time(), time.monotonic() - self._started
+        outcome = self.cluster.deliver(event)
+        assert outcome == "delivered", f"{event}: {outcome}"
+        self.deliveries.append(Delivery(event, now, elapsed, outcome))
+        return now
+
+    def observe(self) -> int:
+        for record in self._tail.poll():
+            if isinstance(record, StepRecord):
+                self.step = max(self.step, record.step)
+        self.cluster.poll()
+        return self.step
+
+    def wait_for_step(self, step: int, *, timeout: float = 90.0) -> None:
+        self.wait_until(lambda: self.observe() >= step, what=f"step {step}", timeout=timeout)
+
+    def wait_until(self, ok: Callable[[], object], *, what: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not ok():
+            assert time.monotonic() < deadline, f"{what} not reached; at step {self.step}"
+            self.observe()
+            time.sleep(0.05)
+
+    def run(self, script: Callable[[Scenario], None]) -> Summary:
+        """Start the nodes, run ``script`` (the faults), then wait for the end."""
+        result = self.cluster.audit_dir / RESULT_FILE
+        with self.cluster:
+            script(self)
+            self.wait_until(
+                lambda: result.exists() or not self.cluster.alive_nodes(),
+                what="the end of training", timeout=self.spec.timeout_s,
+            )  # fmt: skip
+            deadline = time.monotonic() + 20
+            while self.cluster.alive_nodes() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return summarize(
+            self.cluster, self.deliveries, error=None,
+            wall_seconds=time.monotonic() - self._started,
+        )  # fmt: skip
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in (self.run_dir / "logs").glob("*"))
+
+    def assert_good_run(self, summary: Summary, tmp_root: Path) -> None:
+        assert summary.completed, summary.to_json()
+        assert summary.final_step == self.steps
+        assert summary.exactly_once, summary.exactly_once_detail
+        params = torch.load(self.run_dir / "audit" / "final_params.pt", weights_only=True)
+        for name, value in reference_params(self.steps, tmp_root).items():
+            torch.testing.assert_close(params[name], value, atol=PARAM_ATOL, rtol=0)
+
+
+# -- preemption and etcd outages -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None:
+    """etcd down 20 s mid-training, restarted on its data dir; then a node is
+    preempted (zero lost steps) and rejoins, both rounds on the restarted etcd."""
+    etcd = EtcdServer(data_dir=tmp_path / "etcd" / "data", name="outage").start()
+    outage: dict[str, int] = {}
+
+    def script(s: Scenario) -> None:
+        s.wait_for_step(10)
+        etcd.stop()  # SIGTERM; the data dir stays
+        outage["start"] = s.step
+        down_until = time.monotonic() + 20
+        s.wait_until(lambda: time.monotonic() >= down_until, what="20 s of outage", timeout=30)
+        outage["end"] = s.observe()
+        etcd.start()
+        s.wait_for_step(outage["end"] + 5)
+        s.deliver("term", 1)
+        s.wait_for_step(s.step + 15)  # node0 trains alone
+        s.deliver("join", 1)
+
+    try:
+        scenario = Scenario(tmp_path / "run", steps=420, rdzv_endpoint=etcd.endpoint)
+        summary = scenario.run(script)
+    finally:
+        etcd.stop()
+    scenario.assert_good_run(summary, tmp_path)
+    assert outage["end"] - outage["start"] >= 100, outage  # training went on without etcd
+    term, join = summary.recoveries
+    assert term.lost_steps == 0, summary.to_json()
+    assert term.world_size_after == 1 and term.restore_source is not None
+    assert join.world_size_after == 2  # the preempted node is back in the group
+    logs = scenario.logs()
+    assert '"preemption_stop"' in logs and '"reason": "preempted"' in logs
+    assert '"reason": "peer_preempted"' in logs and "worker_exit_after_preemption" in logs
+
+
+# -- a hung worker, on a 3-member etcd cluster that loses its leader twice -------------
+
+
+@pytest.mark.slow
+def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> None:
+    """The etcd leader dies during training (and comes back), a worker is
+    SIGSTOPped, the survivor's watchdog ends its blocked collective, and the
+    leader dies again during the rendezvous that follows."""
+    etcd = EtcdCluster(tmp_path / "etcd", size=3).start()
+    killed: list[str] = []
+
+    def kill_leader() -> None:
+        leader = etcd.leader()
+        leader.kill()
+        killed.append(leader.name)
+        etcd.leader()  # a new one is elected (raises if not within 10 s)
+        leader.start()  # back on its data dir: three members again
+
+    def hang_logged() -> bool:
+        return "watchdog_hang" in (scenario.run_dir / "logs" / "node0.log").read_text()
+
+    def script(s: Scenario) -> None:
+        s.wait_for_step(10)
+        kill_leader()
+        s.wait_for_step(s.step + 10)
+        s.deliver("stop", 1)
+        s.wait_until(hang_logged, what="the watchdog on node0", timeout=60)
+        kill_leader()  # during the rendezvous that re-forms the group
+
+    scenario = Scenario(
+        tmp_path / "run", steps=200, rdzv_endpoint=etcd.endpoints,
+        args=("elastic.watchdog_floor_seconds=3", "elastic.watchdog_multiple=5",
+              "elastic.pg_timeout_seconds=120"),
+    )  # fmt: skip
+    try:
+        summary = scenario.run(script)
+    finally:
+        etcd.stop()
+    scenario.assert_good_run(summary, tmp_path)
+    assert len(killed) == 2
+    (stop,) = summary.recoveries
+    assert stop.seconds is not None
+    print(f"hang-to-recovery seconds: {stop.seconds:.1f}")
+    logs = scenario.logs()
+    assert '"watchdog_hang"' in logs and "Thread" in logs  # the event and the stack dump
+    assert f"exitcode: {EXIT_HANG}" in logs
+
+
+# -- storage: a full disk, then a corrupt latest checkpoint ---------------------------------
+
+
+def _worker_of(cluster: LocalCluster, node: int) -> psutil.Process:
+    agent = psutil.Process(cluster.nodes[node].proc.pid)
+    (worker,) = agent.children()
+    return worker
+
+
+@pytest.mark.slow
+def test_disk_full_then_corrupt_latest_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    failures = '"checkpoint_write_failed"'
+    window: dict[str, int] = {}
+
+    def script(s: Scenario) -> None:
+        s.wait_until(lambda: _complete_steps(run_dir)[-1] > 0, what="a first checkpoint")
+        worker = _worker_of(s.cluster, 0)
+        # Every file this worker writes stays below the limit, except a checkpoint.
+        written = [p for d in ("logs", "audit") for p in (run_dir / d).rglob("*") if p.is_file()]
+        limit = max(p.stat().st_size for p in written) + 64 * 1024
+        checkpoint = next((run_dir / "checkpoints").glob("step-*/state.pt"))
+        assert checkpoint.stat().st_size > limit, "the limit would not stop a checkpoint"
+        resource.prlimit(worker.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        window["start"] = s.step
+        s.wait_until(lambda: s.logs().count(failures) >= 2, what="two failed saves")
+        resource.prlimit(worker.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+        window["end"] = s.step
+        s.wait_until(lambda: _complete_steps(run_dir)[-1] > window["end"], what="a save")
+        s.deliver("kill", 0)
+        latest = _complete_steps(run_dir)[-1]
+        window["corrupted"] = latest
+        state = run_dir / "checkpoints" / f"step-{latest:09d}" / "state.pt"
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
+        s.deliver("join", 0)
+
+    scenario = Scenario(run_dir, steps=200, nodes=1)
+    summary = scenario.run(script)
+    scenario.assert_good_run(summary, tmp_path)
+    logs = scenario.logs()
+    assert "File too large" in logs  # EFBIG from the limit, named in the failure event
+    assert '"checkpoint_fallback"' in logs  # the corrupt one was skipped, not loaded
+    _, rejoin = summary.recoveries
+    assert rejoin.restored_step is not None and rejoin.restored_step < window["corrupted"]
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # no partial save left behind
+
+
+def _complete_steps(run_dir: Path) -> list[int]:
+    return sorted(
+        int(p.parent.name.split("-")[1])
+        for p in (run_dir / "checkpoints").glob("step-*/MANIFEST.json")
+    ) or [0]
