@@ -56,6 +56,10 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument("--rdzv-backend", default="etcd", help="torchrun --rdzv-backend (default etcd)")
     p.add_argument("--rdzv-conf", default="", help="torchrun --rdzv-conf (default: the backend's)")
+    p.add_argument(
+        "--metrics-port", type=int, default=9402,
+        help="node i serves Prometheus metrics on PORT + i (default 9402); 0: free ports",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     p.add_argument("--quiet", action="store_true", help="no live progress")
     p.set_defaults(handler=_run_local)
@@ -77,6 +81,7 @@ def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
         rdzv_backend=args.rdzv_backend,
         rdzv_conf=args.rdzv_conf,
         timeout_s=args.timeout,
+        metrics_port=args.metrics_port,
     )
     progress = None if args.quiet else ProgressPrinter()
     summary = run_local(spec, run_dir=args.run_dir, progress=progress)
