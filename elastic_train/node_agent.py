@@ -145,6 +145,10 @@ class MetricsEndpoint:
                 f"served ({exc.strerror or exc}); choose another metrics_port, 0 for a free "
                 "one, or 'off'"
             ) from exc
+        inherited = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if inherited:
+            # Not ours to clear or share: our workers get our own directory instead.
+            log.warning("metrics_multiproc_dir_replaced", inherited=inherited)
         # Only once the endpoint is sure: this switch cannot be undone.
         metrics.enable_multiprocess(self.directory)
         self.host = host
