@@ -157,8 +157,21 @@ class BenchCluster:
             rec = recovery_after(self.tail.log, kind=kind, node=node, event_time=event_time)
             return rec if rec.world_size_after == world_size else None
 
-        return self.wait(
-            f"first step at world size {world_size} after {kind}:{node}",
-            recovered,
-            timeout=timeout,
-        )
+        try:
+            return self.wait(
+                f"first step at world size {world_size} after {kind}:{node}",
+                recovered,
+                timeout=timeout,
+            )
+        except ClusterError as exc:
+            raise ClusterError(f"{exc}; {self.describe_attempts(after=event_time)}") from exc
+
+    def describe_attempts(self, *, after: float) -> str:
+        """What trained instead, e.g. two worlds of 1 at once: a split brain."""
+        seen = []
+        for attempt in self.tail.log.attempts():
+            if attempt.start_time < after or not attempt.steps:
+                continue
+            nodes = sorted({r.node for records in attempt.steps.values() for r in records})
+            seen.append(f"world {attempt.world_size} on {','.join(nodes)}")
+        return f"attempts started since: [{'; '.join(seen) or 'none'}]"

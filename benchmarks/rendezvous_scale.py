@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     ks = [int(k) for k in args.agents.split(",")]
     idle_s = args.idle_seconds
     if args.smoke:
-        ks, idle_s = [2, 4], 2.0
+        ks, idle_s = [2], 1.0
     competitors = harness.select_competitors(args.competitors)
     started, host = time.time(), harness.machine()
     by_k: dict[str, Any] = {}

@@ -98,7 +98,7 @@ def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) ->
 
 
 def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, **pos: int) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), **pos}, tmp)
     os.replace(tmp, path)
 

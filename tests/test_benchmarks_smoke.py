@@ -1,0 +1,151 @@
+"""Smoke versions of every benchmark (one repetition, tiny sizes), so the
+benchmarks cannot rot: each runs end to end on real etcd/torchrun processes and
+its JSON must hold the fields the README table is built from, with values that
+make sense together (not merely "it ran")."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# benchmarks/ is a top-level package of the repository, not of the installed
+# distribution; pytest's rootdir import mode puts only tests/ on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import (
+    checkpoint_cost,
+    preemption,
+    recovery,
+    rendezvous_scale,
+    report,
+    scaleup,
+)
+from benchmarks import throughput as throughput_bench
+
+pytestmark = pytest.mark.slow
+
+
+def run(module: Any, out: Path, *args: str) -> dict[str, Any]:
+    module.main(["--smoke", "--repeats=1", f"--out-dir={out}", f"--workdir={out / 'work'}", *args])
+    name = module.__name__.rsplit(".", 1)[1]
+    return json.loads((out / f"{name}_smoke.json").read_text())
+
+
+def only_run(result: dict[str, Any], competitor: str) -> dict[str, Any]:
+    outcome = result["runs"][competitor]
+    assert outcome["unavailable"] is None
+    (single,) = outcome["runs"]
+    assert "error" not in single, single.get("trace")
+    return single
+
+
+def check_machine(result: dict[str, Any]) -> None:
+    machine = result["machine"]
+    assert machine["cpu_count"] >= 1 and machine["cpu_model"]
+    assert machine["torch"].startswith("2.")
+    assert result["finished"] >= result["started"]
+
+
+def check_event(run_: dict[str, Any], *, kind: str, world_after: int, timeout: float) -> None:
+    """The audited recovery is self-consistent: stages in order, before the first step."""
+    assert run_["kind"] == kind and run_["world_size_after"] == world_after
+    assert 0 < run_["seconds"] < timeout
+    assert run_["restore_source"] in ("disk", "snapshot", "none")
+    assert run_["lost_steps"] >= 0
+    assert 0 < run_["restored_seconds"] <= run_["seconds"]
+    if run_["round_closed_seconds"] is not None:
+        assert run_["round_closed_seconds"] <= run_["restored_seconds"]
+
+
+def test_recovery_smoke_ours(tmp_path: Path) -> None:
+    result = run(recovery, tmp_path, "--competitors=ours")
+    check_machine(result)
+    single = only_run(result, "ours")
+    check_event(single, kind="kill", world_after=1, timeout=60)
+    # the kill came after the warm-up, and work was resumed from a real step
+    assert single["restored_step"] + single["lost_steps"] >= 5
+    assert result["summary"]["ours"]["seconds"]["median"] == single["seconds"]
+    names = [t["name"] for t in result["targets"]]
+    assert "ours median recovery, s" in names and "ours max lost steps per failure" in names
+
+
+def test_preemption_smoke_plain_c10d(tmp_path: Path) -> None:
+    result = run(preemption, tmp_path, "--competitors=c10d-tuned")
+    single = only_run(result, "c10d-tuned")
+    check_event(single, kind="term", world_after=1, timeout=60)
+    # the plain script saves every 25 steps: a restart before that resumes from scratch
+    assert single["restored_step"] % 25 == 0
+
+
+def test_scaleup_smoke_ours(tmp_path: Path) -> None:
+    result = run(scaleup, tmp_path, "--competitors=ours")
+    single = only_run(result, "ours")
+    check_event(single, kind="join", world_after=2, timeout=60)
+    # a planned resize: the survivors' state is current, nothing is redone
+    assert single["restored_step"] >= 5
+
+
+def test_throughput_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("etcd", reason="etcd-v2 needs python-etcd (the bench extra)")
+    result = run(throughput_bench, tmp_path, "--competitors=ours,etcd-v2-tuned")
+    ours, plain = only_run(result, "ours"), only_run(result, "etcd-v2-tuned")
+    for single in (ours, plain):
+        assert single["samples_per_second"] == pytest.approx(single["steps_per_second"] * 64)
+        assert single["window_seconds"] > 0
+    (target,) = result["targets"]
+    expected = ours["samples_per_second"] / plain["samples_per_second"]
+    assert target["value"] == pytest.approx(expected)
+    assert result["ratios"]["etcd-v2-tuned"] == pytest.approx(1 / expected)
+
+
+def test_checkpoint_cost_smoke(tmp_path: Path) -> None:
+    result = run(checkpoint_cost, tmp_path)
+    summary = result["summary"]
+    for name in ("large-sync", "large-async", "large-torch_save"):
+        single = only_run(result, name)
+        assert single["saves"] == 2  # 6 steps after warm-up, every 3rd step
+        assert single["blocked_seconds_per_save"] > 0
+        assert single["save_seconds_per_save"] > 0
+    snapshot = only_run(result, "small-snapshot")
+    assert snapshot["saves"] == 9  # every step, warm-up included
+    assert only_run(result, "large-none")["state_mb"] > only_run(result, "small-none")["state_mb"]
+    for name in ("large-sync", "large-async", "small-snapshot"):
+        assert summary[name]["throughput_loss"]["median"] is not None
+    assert {t["name"] for t in result["targets"]} >= {"async saves lose, fraction"}
+
+
+def test_rendezvous_scale_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("etcd", reason="etcd-v2 needs python-etcd (the bench extra)")
+    result = run(rendezvous_scale, tmp_path)
+    block = result["by_agents"]["2"]
+    for name in ("ours", "c10d-tuned", "etcd-v2-tuned"):
+        single = only_run(block, name)
+        assert single["round_seconds"] > 0 and single["rerendezvous_seconds"] > 0
+        assert single["round_state_writes"] >= 2  # each agent wrote itself in
+        assert single["backend_calls_per_agent_per_s"] > 0
+        idle = single["idle_requests_per_agent_per_s"]
+        if name == "c10d-tuned":
+            assert idle is None  # no request counter on a TCPStore
+        else:
+            # etcd saw at least the backend's own calls (it may see lease renewals too)
+            assert idle >= 0.9 * single["backend_calls_per_agent_per_s"]
+
+
+def test_report_renders_tables_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(checkpoint_cost, tmp_path)
+    capsys.readouterr()
+    report.main(["--smoke", f"--results-dir={tmp_path}"])
+    text = capsys.readouterr().out
+    assert "| large-async |" in text and "async saves lose, fraction" in text
+    png = tmp_path / "checkpoint_cost_smoke.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.START}\nold\n{report.END}\noutro\n")
+    report.update_readme("| new | table |", readme)
+    assert readme.read_text() == f"intro\n{report.START}\n| new | table |\n{report.END}\noutro\n"
