@@ -12,19 +12,19 @@ Layout of the per-run directory (mode 0700)::
         slot-0, slot-1   double buffer, preallocated and memory-mapped
         HEAD             {"slot": 0|1, "step": N}, replaced atomically by rename
 
-A slot is ``[4 KiB header][skeleton][tensor bytes]``. The skeleton is a small
-``torch.save`` of the state with each tensor replaced by a reference into the
-tensor bytes, so a snapshot costs one memcpy per tensor rather than a full
-serialization. A save erases the header of the slot HEAD does *not* name,
-copies skeleton and tensors, computes a crc32, writes the header (magic, step,
-sizes, crc32, fingerprint) and only then flips HEAD. A process killed at any
-point leaves HEAD naming a complete slot; a slot without a header or whose
-checksum fails is never used.
+A slot is ``[4 KiB header][skeleton][tensor bytes]``. The skeleton is JSON of
+the state with each tensor replaced by a reference into the tensor bytes, so a
+snapshot costs one memcpy per tensor rather than a full serialization, and
+reading one back never unpickles anything. A save erases the header of the
+slot HEAD does *not* name, copies skeleton and tensors, computes a crc32,
+writes the header (magic, step, sizes, crc32, fingerprint) and only then flips
+HEAD. A process killed at any point leaves HEAD naming a complete slot; a slot
+without a header or whose checksum fails is never used.
 """
 
 from __future__ import annotations
 
-import io
+import base64
 import json
 import mmap
 import os
@@ -32,16 +32,18 @@ import re
 import shutil
 import stat
 import time
+from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from elastic_train.errors import CheckpointError, SnapshotError
+from elastic_train.errors import SnapshotError
 from elastic_train.log import get_logger
 from elastic_train.restore import Agreement, agree_on_newest, broadcast_state, decide
-from elastic_train.state_io import checksum, map_tensors
+from elastic_train.state_io import checksum
 
 __all__ = [
     "Agreement",
@@ -58,7 +60,6 @@ HEADER_BYTES = 4096
 MAGIC = b"ETSNAP2\n"
 ALGORITHM = "crc32"  # detects torn writes; tmpfs has no bit rot to guard against
 _ALIGN = 64
-_REF = "__elastic_train_tensor__"
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -76,46 +77,94 @@ class SnapshotStats:
 
 
 class _Flat(NamedTuple):
-    blob: bytes  # torch.save of (skeleton, table)
+    blob: bytes  # JSON of the skeleton and the tensor table
     tensors: list[torch.Tensor]
-    table: list[dict[str, Any]]  # dtype, shape, offset (into the tensor bytes), nbytes
+    table: list[list[Any]]  # [dtype, shape, offset into the tensor bytes, nbytes]
     size: int  # of the whole slot file
+
+
+def _encode(state: Any, tensors: list[torch.Tensor]) -> Any:
+    """The state as tagged JSON values; tensors become references into ``tensors``.
+
+    JSON, not pickle: the skeleton has hundreds of small values (optimizer
+    param groups, RNG states) that torch.save pickles several times slower,
+    and reading JSON back can never construct an arbitrary object. Every dict
+    is tagged, so a user's dict can never be mistaken for a tag.
+    """
+    memo: dict[int, int] = {}
+
+    def visit(obj: Any, where: str) -> Any:
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:
+                memo[id(obj)] = len(tensors)
+                tensors.append(obj)
+            return {"ref": memo[id(obj)]}
+        if isinstance(obj, Mapping):
+            items = [
+                [visit(k, f"{where} key"), visit(v, f"{where}[{k!r}]")] for k, v in obj.items()
+            ]
+            return {"odict" if isinstance(obj, OrderedDict) else "dict": items}
+        if isinstance(obj, torch.Size):
+            return {"size": list(obj)}
+        if isinstance(obj, (list, tuple)):
+            values = [visit(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+            return values if isinstance(obj, list) else {"tuple": values}
+        if isinstance(obj, torch.dtype):
+            return {"dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"device": str(obj)}
+        if isinstance(obj, bytes):
+            return {"bytes": base64.b64encode(obj).decode()}
+        raise SnapshotError(
+            f"{where} is a {type(obj).__qualname__}; snapshot state may hold only tensors, "
+            "numbers, strings, bytes, None, dtypes, devices and dicts/lists/tuples of them"
+        )
+
+    return visit(state, "state")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SnapshotError(f"unknown dtype {name!r} in snapshot")
+    return dtype
+
+
+def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    ((tag, value),) = obj.items()
+    if tag in ("dict", "odict"):
+        items = [(_decode(k, tensors), _decode(v, tensors)) for k, v in value]
+        return OrderedDict(items) if tag == "odict" else dict(items)
+    decoders = {
+        "ref": lambda: tensors[value],
+        "tuple": lambda: tuple(_decode(v, tensors) for v in value),
+        "size": lambda: torch.Size(value),
+        "dtype": lambda: _dtype(value),
+        "device": lambda: torch.device(value),
+        "bytes": lambda: base64.b64decode(value),
+    }
+    if tag not in decoders:
+        raise SnapshotError(f"unknown tag {tag!r} in snapshot")
+    return decoders[tag]()
 
 
 def _flatten(state: dict) -> _Flat:
     tensors: list[torch.Tensor] = []
-    table: list[dict[str, Any]] = []
-    offset = 0
-
-    def reference(tensor: torch.Tensor) -> dict[str, int]:
-        nonlocal offset
+    skeleton = _encode(state, tensors)
+    table, offset = [], 0
+    for tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         dtype = str(tensor.dtype).removeprefix("torch.")
-        table.append(
-            {"dtype": dtype, "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes}
-        )
-        tensors.append(tensor)
+        table.append([dtype, list(tensor.shape), offset, nbytes])
         offset = _aligned(offset + nbytes)
-        return {_REF: len(tensors) - 1}
-
-    try:
-        skeleton = map_tensors(state, reference)
-    except CheckpointError as exc:
-        raise SnapshotError(str(exc)) from exc
-    buffer = io.BytesIO()
-    torch.save((skeleton, table), buffer)
-    blob = buffer.getvalue()
+    blob = json.dumps({"skeleton": skeleton, "table": table}).encode()
     return _Flat(blob, tensors, table, HEADER_BYTES + _aligned(len(blob)) + offset)
-
-
-def _unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(skeleton, dict):
-        if len(skeleton) == 1 and _REF in skeleton:
-            return tensors[skeleton[_REF]]
-        return type(skeleton)((k, _unflatten(v, tensors)) for k, v in skeleton.items())
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_unflatten(v, tensors) for v in skeleton)
-    return skeleton
 
 
 def _file_size(path: Path) -> int:
@@ -152,6 +201,7 @@ class SnapshotStore:
         self.is_writer = is_writer
         self.last_stats: SnapshotStats | None = None
         self._maps: dict[int, _Mapping] = {}
+        self._head: tuple[int, int] | None = None  # (slot, step) this writer last flipped to
         if is_writer:
             self._make_private_directory()
 
@@ -181,16 +231,17 @@ class SnapshotStore:
             return
         start = time.perf_counter()
         flat = _flatten(state)
-        current = self._read_head()
+        if self._head is None:
+            self._head = self._read_head()
+        current = self._head
         slot = 1 - current[0] if current else 0
         self._check_fits(flat.size, active=current[0] if current else None)
         try:
             mapping = self._map_slot(slot, flat.size)
             data_start = HEADER_BYTES + _aligned(len(flat.blob))
             mapping.mm[HEADER_BYTES : HEADER_BYTES + len(flat.blob)] = flat.blob
-            for tensor, entry in zip(flat.tensors, flat.table, strict=True):
-                begin = data_start + entry["offset"]
-                target = mapping.region[begin : begin + entry["nbytes"]]
+            for tensor, (_, _, offset, nbytes) in zip(flat.tensors, flat.table, strict=True):
+                target = mapping.region[data_start + offset : data_start + offset + nbytes]
                 target.copy_(tensor.detach().reshape(-1).view(torch.uint8))
             digest = checksum(memoryview(mapping.mm)[HEADER_BYTES:], ALGORITHM)
             mapping.mm[:HEADER_BYTES] = self._header(step, len(flat.blob), flat.size, digest)
@@ -263,6 +314,7 @@ class SnapshotStore:
         partial = self.directory / "HEAD.tmp"
         partial.write_text(json.dumps({"slot": slot, "step": step}))
         os.replace(partial, self.directory / "HEAD")
+        self._head = (slot, step)
 
     # ----------------------------------------------------------------- loading
 
@@ -329,21 +381,18 @@ class SnapshotStore:
         header, raw = found
         step, blob_end = header["step"], HEADER_BYTES + header["blob_bytes"]
         try:
-            skeleton, table = torch.load(io.BytesIO(raw[HEADER_BYTES:blob_end]), weights_only=True)
-            data = torch.frombuffer(raw, dtype=torch.uint8)[
-                HEADER_BYTES + _aligned(header["blob_bytes"]) :
-            ]
+            document = json.loads(raw[HEADER_BYTES:blob_end])
+            data = torch.frombuffer(raw, dtype=torch.uint8)
+            data = data[HEADER_BYTES + _aligned(header["blob_bytes"]) :]
             tensors = [
-                data[e["offset"] : e["offset"] + e["nbytes"]]
-                .view(getattr(torch, e["dtype"]))
-                .view(e["shape"])
-                .to(map_location)
-                for e in table
+                data[offset : offset + nbytes].view(_dtype(dtype)).view(shape).to(map_location)
+                for dtype, shape, offset, nbytes in document["table"]
             ]
-        except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ...
+            state = _decode(document["skeleton"], tensors)
+        except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
             raise SnapshotError(f"snapshot of step {step} is unreadable: {exc}") from exc
         log.info("snapshot_loaded", step=step, path=str(self.directory))
-        return step, _unflatten(skeleton, tensors)
+        return step, state
 
     def remove(self) -> None:
         """Delete this run's snapshots (at run completion)."""
