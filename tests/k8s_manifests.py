@@ -151,6 +151,7 @@ def local_process(
     root: Path,
     substitutions: Mapping[str, str],
     host_ports: Mapping[int, int] | None = None,
+    secrets: Mapping[str, Mapping[str, str]] | None = None,
 ) -> LocalProcess:
     """The process a container of ``pod_spec`` would run, on this machine.
 
@@ -159,14 +160,23 @@ def local_process(
     to their local stand-ins, in the arguments, environment and ConfigMaps.
     Pods share this machine's network, so each container port is moved to
     ``host_ports[port]`` in the environment variables that name it.
+    ``secrets`` holds the data of the Secrets the pod mounts or reads.
     """
-    mounts = _mount_volumes(objs, pod_spec, c, pod=pod, root=root, substitutions=substitutions)
+    secrets = secrets or {}
+    mounts = _mount_volumes(
+        objs, pod_spec, c, pod=pod, root=root, substitutions=substitutions, secrets=secrets
+    )
     env: dict[str, str] = {}
     for entry in c.get("env", []):
+        source = entry.get("valueFrom", {})
         if "value" in entry:
             env[entry["name"]] = expand(entry["value"], env)
+        elif "secretKeyRef" in source:
+            env[entry["name"]] = secrets[source["secretKeyRef"]["name"]][
+                source["secretKeyRef"]["key"]
+            ]
         else:
-            env[entry["name"]] = _field_ref(entry["valueFrom"]["fieldRef"]["fieldPath"], pod)
+            env[entry["name"]] = _field_ref(source["fieldRef"]["fieldPath"], pod)
 
     def localize(text: str) -> str:
         text = replace_paths(text, mounts)
@@ -175,12 +185,15 @@ def local_process(
         return text
 
     moved = {str(p): str(q) for p, q in (host_ports or {}).items()}
-    env = {k: moved.get(v, localize(v)) for k, v in env.items()}
+    local_env = {k: moved.get(v, localize(v)) for k, v in env.items()}
     entrypoint, workdir = image_entrypoint()
     command = c.get("command", entrypoint)
+    # $(VAR) expands to the manifest's value, localized once with the argument.
     args = [localize(expand(a, env)) for a in c.get("args", [])]
     assert workdir == "/opt/elastic-train", "the image's WORKDIR holds elastic_train/ (the repo)"
-    return LocalProcess(argv=[_executable(command[0]), *command[1:], *args], env=env, cwd=REPO_ROOT)
+    return LocalProcess(
+        argv=[_executable(command[0]), *command[1:], *args], env=local_env, cwd=REPO_ROOT
+    )
 
 
 def _executable(name: str) -> str:
@@ -198,6 +211,7 @@ def _mount_volumes(
     pod: PodIdentity,
     root: Path,
     substitutions: Mapping[str, str],
+    secrets: Mapping[str, Mapping[str, str]],
 ) -> dict[str, Path]:
     volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
     mounts: dict[str, Path] = {}
@@ -218,6 +232,9 @@ def _mount_volumes(
                 text = replace_paths(text, mounts)
                 for old, new in substitutions.items():
                     text = text.replace(old, new)
+                (local / key).write_text(text)
+        elif "secret" in volume:
+            for key, text in secrets[volume["secret"]["secretName"]].items():
                 (local / key).write_text(text)
         else:
             assert {"emptyDir", "persistentVolumeClaim"} & volume.keys(), (

@@ -25,11 +25,13 @@ from pathlib import Path
 import psutil
 import pytest
 from k8s_manifests import REPO_ROOT, PodIdentity, container, find, local_process, render
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_train import proctree
 from elastic_train.config import load_config
 from elastic_train.errors import EXIT_CONFIG_ERROR
 from elastic_train.etcd_server import EtcdServer, free_port
+from elastic_train.rendezvous import parse_config
 
 STEPS = 40
 TINY = (
@@ -256,3 +258,51 @@ def test_slurm_script_trains_on_two_local_nodes(
     # The script's etcd is gone with the job.
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", int(env["ETCD_PORT"])), timeout=1).close()
+
+
+def _rdzv_parameters(argv: list[str]) -> RendezvousParameters:
+    """What torchrun makes of a command line's --rdzv-* options."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    torchrun_args = get_args_parser().parse_args(argv[1:])
+    config, _, _ = config_from_args(torchrun_args)
+    return RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, **config.rdzv_configs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "tls"])
+def test_the_rendezvous_backend_accepts_the_manifests_rdzv_options(
+    overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objs = render(overlay)
+    pod_spec = find(objs, "Job", "elastic-train")["spec"]["template"]["spec"]
+    secrets = {}
+    if overlay == "tls":
+        subprocess.run(
+            ["bash", str(REPO_ROOT / "deploy" / "etcd" / "make-certs.sh"), str(tmp_path / "certs")],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        pem = {p.name: p.read_text() for p in (tmp_path / "certs").iterdir()}
+        secrets = {
+            "etcd-client-tls": {k: pem[k] for k in ("ca.crt", "client.crt", "client.key")},
+            "etcd-rendezvous-auth": {"password": "rendezvous-secret"},
+        }
+    pod = PodIdentity(name="elastic-train-0", namespace="elastic-train", index=0, job_uid="uid-1")
+    trainer = local_process(
+        objs, pod_spec, container(pod_spec, "trainer"), pod=pod, root=tmp_path,
+        substitutions={"etcd:2379": "127.0.0.1:2379"}, secrets=secrets,
+    )  # fmt: skip
+    for name, value in trainer.env.items():
+        monkeypatch.setenv(name, value)
+    params = _rdzv_parameters(trainer.argv)
+    assert params.run_id == "uid-1"
+    config = parse_config(params)  # raises ValueError naming any key it does not accept
+    assert config.key_prefix == "/elastic-train"
+    if overlay == "tls":
+        assert config.client.protocol == "https"
+        assert Path(config.client.cert).read_text() == secrets["etcd-client-tls"]["client.crt"]
+        assert (config.client.username, config.client.password) == (
+            "elastic-train", "rendezvous-secret",
+        )  # fmt: skip

@@ -24,8 +24,8 @@ export ETCDCTL_API=3
 # Once authentication is on, every request needs the root credentials (before,
 # etcdctl ignores them). Only root may read the status once it is on.
 auth_enabled=false
-if ETCDCTL_USER="root:${ETCD_ROOT_PASSWORD}" etcdctl auth status 2>/dev/null |
-    grep -q 'Authentication Status: true'; then
+status=$(ETCDCTL_USER="root:${ETCD_ROOT_PASSWORD}" etcdctl auth status 2>/dev/null || true)
+if [[ $status == *"Authentication Status: true"* ]]; then
     auth_enabled=true
     export ETCDCTL_USER="root:${ETCD_ROOT_PASSWORD}"
 fi
