@@ -121,8 +121,8 @@ def _dipped_and_recovered(values: list[float], full: float) -> bool:
 
 JOB = "elastic-train"
 TRAINER = (
-    "--model.name=mlp", "--data.name=synthetic", "--training.steps=160",
-    "--checkpoint.interval_steps=10", "--eval.every_steps=20", "--logging.log_every_steps=40",
+    "--model.name=mlp", "--data.name=synthetic", "--training.steps=60",
+    "--checkpoint.interval_steps=5", "--eval.every_steps=10", "--logging.log_every_steps=20",
 )  # fmt: skip
 
 
@@ -146,7 +146,7 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(tmp_path: Pat
     prom_dir = tmp_path / "prometheus"
     prom_dir.mkdir()
     spec = ClusterSpec(
-        nodes=2, min_nodes=1, chaos=parse_schedule("kill:1@step30,join:1@step80"),
+        nodes=2, min_nodes=1, chaos=parse_schedule("kill:1@step15,join:1@step35"),
         script_args=TRAINER, metrics_port=base, timeout_s=240,
     )  # fmt: skip
     with Prometheus(config, prom_dir, free_port()).running() as prom:
