@@ -25,6 +25,7 @@ without a header or whose checksum fails is never used.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import mmap
 import os
@@ -202,6 +203,7 @@ class SnapshotStore:
         self.last_stats: SnapshotStats | None = None
         self._maps: dict[int, _Mapping] = {}
         self._head: tuple[int, int] | None = None  # (slot, step) this writer last flipped to
+        self._lock_fd: int | None = None
         if is_writer:
             self._make_private_directory()
 
@@ -217,6 +219,17 @@ class SnapshotStore:
             raise SnapshotError(f"{self.directory} exists but is not a directory owned by us")
         # mkdir's mode is filtered by the umask and ignored for an existing directory.
         os.chmod(self.directory, 0o700)
+        # Two writers would flip one HEAD between their slots. The lock dies
+        # with its process, so a restarted worker takes it over at once.
+        self._lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._lock_fd)
+            raise SnapshotError(
+                f"another process writes snapshots to {self.directory}; nodes that share "
+                "/dev/shm need distinct run_ids (e.g. f'{run_id}.{node}')"
+            ) from exc
 
     # ------------------------------------------------------------------ saving
 
@@ -401,6 +414,9 @@ class SnapshotStore:
         log.info("snapshot_removed", path=str(self.directory))
 
     def close(self) -> None:
-        """Release the mappings; the snapshot itself stays for the next restart."""
+        """Release the mappings and the writer lock; the snapshot stays for the next restart."""
         for slot in list(self._maps):
             self._unmap(slot)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None

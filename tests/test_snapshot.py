@@ -52,7 +52,7 @@ def test_newest_snapshot_wins_and_the_directory_is_private(store: SnapshotStore)
     assert step == 3 and torch.equal(state["model"]["w"], torch.full((1000,), 3.0))
     info = store.directory.stat()
     assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
-    assert sorted(p.name for p in store.directory.iterdir()) == ["HEAD", "slot-0", "slot-1"]
+    assert sorted(p.name for p in store.directory.iterdir()) == ["HEAD", "LOCK", "slot-0", "slot-1"]
     store.remove()
     assert not store.directory.exists()
 
@@ -145,10 +145,21 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 def test_a_full_shm_is_refused_and_keeps_the_previous_snapshot(tiny_tmpfs: Path) -> None:
     store = SnapshotStore("tiny", fingerprint=FP, root=tiny_tmpfs)
-    store.save(1, _state(1, numel=100_000))  # 400 kB
-    with pytest.raises(SnapshotError, match="enlarge /dev/shm"):
-        store.save(2, _state(2, numel=1_000_000))  # 4 MB
-    assert store.load(map_location="cpu")[0] == 1
+    try:
+        store.save(1, _state(1, numel=100_000))  # 400 kB
+        with pytest.raises(SnapshotError, match="enlarge /dev/shm"):
+            store.save(2, _state(2, numel=1_000_000))  # 4 MB
+        assert store.load(map_location="cpu")[0] == 1
+    finally:
+        store.close()  # the mappings would keep the mount busy
+
+
+def test_a_second_writer_is_refused_until_the_first_is_gone(store: SnapshotStore) -> None:
+    run_id = store.directory.name.split("-", 2)[2]
+    with pytest.raises(SnapshotError, match="distinct run_ids"):
+        SnapshotStore(run_id, fingerprint=FP, root=store.directory.parent)
+    store.close()
+    SnapshotStore(run_id, fingerprint=FP, root=store.directory.parent).close()
 
 
 def test_run_id_is_validated(shm_root: Path) -> None:
@@ -221,7 +232,7 @@ def test_a_snapshot_killed_halfway_is_never_used(shm_root: Path, mode: str, sign
 
 def test_sigkill_at_an_arbitrary_moment_leaves_a_consistent_snapshot(shm_root: Path) -> None:
     run_id = f"test-{uuid.uuid4().hex[:12]}"
-    store = SnapshotStore(run_id, fingerprint=FP, root=shm_root)
+    store = SnapshotStore(run_id, fingerprint=FP, root=shm_root, is_writer=False)
     child = _child(run_id, shm_root, "loop")
     try:
         deadline = time.monotonic() + 60
