@@ -97,6 +97,12 @@ class KeyValue:
     mod_revision: int
 
 
+@dataclass(frozen=True)
+class WatchEvent:
+    deleted: bool
+    kv: KeyValue  # for a deletion: the key and the revision of the delete
+
+
 def _kv(raw: Any) -> KeyValue:
     return KeyValue(key=raw.key, value=raw.value, mod_revision=raw.mod_revision)
 
@@ -249,6 +255,27 @@ class EtcdClient:
         May also return True spuriously (a compacted revision, a member going away):
         callers re-read, so a spurious wake-up costs one request.
         """
+        outcome = self.watch(
+            key,
+            prefix=prefix,
+            start_revision=start_revision,
+            timeout=timeout,
+            on_events=lambda _: True,
+        )
+        return outcome != "timeout"
+
+    def watch(
+        self,
+        key: bytes,
+        *,
+        prefix: bool,
+        start_revision: int,
+        timeout: float,
+        on_events: Callable[[list[WatchEvent]], bool],
+    ) -> str:
+        """Stream changes from ``start_revision`` to ``on_events`` until it returns True
+        (``"stopped"``), ``timeout`` passes (``"timeout"``) or the stream ends (``"broken"``:
+        a member went away, a compacted revision; the caller re-reads and watches again)."""
         request = etcdrpc.WatchRequest(
             create_request=etcdrpc.WatchCreateRequest(
                 key=key,
@@ -267,16 +294,19 @@ class EtcdClient:
         responses = member.watch.Watch(requests(), **self._call_kwargs(timeout))
         try:
             for resp in responses:
-                if resp.events or resp.compact_revision or resp.canceled:
-                    return True
-            return True
+                if resp.compact_revision or resp.canceled:
+                    return "broken"
+                events = [WatchEvent(deleted=e.type == e.DELETE, kv=_kv(e.kv)) for e in resp.events]
+                if events and on_events(events):
+                    return "stopped"
+            return "broken"
         except grpc.RpcError as exc:
             # etcd may end an expired stream with UNKNOWN "context deadline exceeded".
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= end:
-                return False
+                return "timeout"
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._advance(member)
-                return True
+                return "broken"
             raise self._translate(exc, member) from exc
         finally:
             done.set()
@@ -361,42 +391,6 @@ class EtcdClient:
 
 class LeaseExpiredError(EtcdError):
     """A write named a lease that has expired (etcd was unreachable for its whole TTL)."""
-
-
-class LeaseKeeper:
-    """One lease per writer, renewed on use once 1% of its TTL has passed.
-
-    A key written with :meth:`run` therefore lives at least 99% of ``ttl`` after
-    its last write, at a cost of one extra request per ``ttl / 100`` seconds.
-    """
-
-    def __init__(self, client: EtcdClient, ttl: int) -> None:
-        if ttl < 1:
-            raise ValueError(f"ttl={ttl!r} must be a positive number of seconds")
-        self._client = client
-        self._ttl = ttl
-        self._lock = threading.Lock()
-        self._lease_id = 0
-        self._renewed = 0.0
-
-    def run(self, write: Callable[[int], T]) -> T:
-        """Call ``write(lease_id)``; if the lease expired meanwhile, take a new one and retry."""
-        try:
-            return write(self._current())
-        except LeaseExpiredError:
-            with self._lock:
-                self._lease_id = 0
-            return write(self._current())
-
-    def _current(self) -> int:
-        with self._lock:
-            now = time.monotonic()
-            if self._lease_id and now - self._renewed < max(1.0, self._ttl / 100):
-                return self._lease_id
-            if not self._lease_id or self._client.refresh_lease(self._lease_id) <= 0:
-                self._lease_id = self._client.grant_lease(self._ttl)
-            self._renewed = now
-            return self._lease_id
 
 
 def _details(exc: grpc.RpcError) -> str:

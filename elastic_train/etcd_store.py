@@ -16,7 +16,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from elastic_train.etcd_client import EtcdClient, KeyValue, LeaseKeeper
+from elastic_train.etcd_client import EtcdClient, KeyValue
+from elastic_train.etcd_sync import LeaseKeeper
 
 T = TypeVar("T")
 

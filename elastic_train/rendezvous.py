@@ -39,8 +39,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_train import node_agent
 from elastic_train.errors import EtcdError, EtcdUnavailableError
-from elastic_train.etcd_client import EtcdClient, EtcdClientConfig, LeaseKeeper
+from elastic_train.etcd_client import EtcdClient, EtcdClientConfig, KeyValue
 from elastic_train.etcd_store import EtcdV3Store
+from elastic_train.etcd_sync import LeaseKeeper, WatchedKey, close_with
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
@@ -181,13 +182,21 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._key = key.encode()
         self._lease = LeaseKeeper(client, ttl)
         self._secret = secret
+        # torch's handler polls get_state about once a second per agent; a watched
+        # copy answers those polls without a request while nothing changes.
+        self._state = WatchedKey(client, self._key)
+        close_with(self, self._state)
 
     @property
     def name(self) -> str:
         return self._name
 
+    def close(self) -> None:
+        """Stop watching the state key (reads still work, straight from etcd)."""
+        self._state.close()
+
     def get_state(self) -> tuple[bytes, Token] | None:
-        current, _ = self._etcd(lambda: self._client.get(self._key))
+        current = self._etcd(self._state.read)
         if current is None:
             return None
         return self._decode(current.value), current.mod_revision
@@ -208,9 +217,11 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             )
         )
         if written:
+            self._state.offer(KeyValue(self._key, encoded, new_revision))
             return state, new_revision, True
         if current is None:
             return None
+        self._state.offer(current)
         return self._decode(current.value), current.mod_revision, False
 
     def _etcd(self, request: Callable[[], T]) -> T:
@@ -295,6 +306,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     agent polls :meth:`num_nodes_waiting` and would stop the job on an error.
     """
 
+    _etcd_backend: EtcdV3RendezvousBackend | None = None
+
     def next_rendezvous(self) -> RendezvousInfo:
         join_s = self.settings.timeout.join.total_seconds()
         deadline = time.monotonic() + join_s
@@ -311,6 +324,13 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                     ) from exc
                 log.warning("rendezvous_etcd_retry", run_id=self.settings.run_id, error=str(exc))
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def shutdown(self) -> bool:
+        try:
+            return super().shutdown()
+        finally:
+            if self._etcd_backend is not None:
+                self._etcd_backend.close()
 
     def num_nodes_waiting(self) -> int:
         try:
@@ -383,6 +403,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )
+    handler._etcd_backend = backend
     # wrap_handler configures the agent's logging, so log after it.
     wrapped = node_agent.wrap_handler(handler, params)
     if os.environ.setdefault(_SHARE_STORE_ENV, "1") == "1":

@@ -5,18 +5,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from elastic_train.errors import EtcdError, EtcdUnavailableError
-from elastic_train.etcd_client import (
-    EtcdClient,
-    EtcdClientConfig,
-    LeaseKeeper,
-    parse_endpoint,
-)
+from elastic_train.etcd_client import EtcdClient, EtcdClientConfig, parse_endpoint
 from elastic_train.etcd_server import EtcdServer, free_port
+from elastic_train.etcd_sync import LeaseKeeper, WatchedKey
 
 
 @pytest.fixture
@@ -159,3 +156,70 @@ def test_lease_keeper_key_expires_after_ttl(
 def test_non_connection_errors_are_translated(client: EtcdClient) -> None:
     with pytest.raises(EtcdError, match=r"etcd at http://.*INVALID_ARGUMENT"):
         client.put(b"", b"v")  # etcd refuses an empty key
+
+
+class _CountingClient(EtcdClient):
+    """The real client, counting reads of the store."""
+
+    reads = 0
+
+    def get(self, key: bytes) -> tuple:
+        self.reads += 1
+        return super().get(key)
+
+
+def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def _served_locally(counting: _CountingClient, watched: WatchedKey) -> bool:
+    before = counting.reads
+    watched.read()
+    return counting.reads == before
+
+
+def test_watched_key_follows_writers_without_polling(
+    etcd_server: EtcdServer, request: pytest.FixtureRequest
+) -> None:
+    key = _key(request)
+    counting = _CountingClient(EtcdClientConfig(endpoints=(etcd_server.endpoint,)))
+    watched = WatchedKey(counting, key)
+    try:
+        writer = EtcdClient(EtcdClientConfig(endpoints=(etcd_server.endpoint,)))
+        writer.put(key, b"one")
+        _until(lambda: (v := watched.read()) is not None and v.value == b"one")
+        _until(lambda: _served_locally(counting, watched))  # the watch thread is up
+        reads = counting.reads
+        for _ in range(50):  # torch's handler polls like this, about once a second
+            assert watched.read().value == b"one"
+        assert counting.reads == reads  # served by the watched copy
+        writer.delete(key)
+        _until(lambda: watched.read() is None)
+    finally:
+        watched.close()
+
+
+def test_watched_key_reads_etcd_when_the_watch_breaks(tmp_path: Path) -> None:
+    server = EtcdServer(data_dir=tmp_path / "data", name="watched").start()
+    client = EtcdClient(EtcdClientConfig(endpoints=(server.endpoint,), dial_timeout=1))
+    watched = WatchedKey(client, b"/k")
+    try:
+        client.put(b"/k", b"v")
+        _until(lambda: (v := watched.read()) is not None and v.value == b"v")
+        server.stop()
+        # Not the stale copy: once the stream is gone, reads go to etcd and fail.
+        _until(lambda: _raises_unavailable(watched))
+    finally:
+        watched.close()
+        server.stop()
+
+
+def _raises_unavailable(watched: WatchedKey) -> bool:
+    try:
+        watched.read()
+    except EtcdUnavailableError:
+        return True
+    return False

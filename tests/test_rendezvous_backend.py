@@ -97,18 +97,19 @@ def test_invalid_token_returns_current_state(
 
 
 def test_corrupt_stored_bytes_raise_state_error(etcd_endpoint: str) -> None:
+    # Each read uses a backend made after the write: a backend's copy of the state
+    # follows other writers through a watch, a moment later.
     params = _params(etcd_endpoint)
-    backend, _ = create_backend(params)
     key = f"/elastic_train/{params.run_id}/state".encode()
     client = EtcdClient(EtcdClientConfig(endpoints=(etcd_endpoint,)))
     client.put(key, b"garbage")
     with pytest.raises(RendezvousStateError, match=f"{params.run_id}/state"):
-        backend.get_state()
+        create_backend(params)[0].get_state()
     client.delete(key)
-    backend.set_state(b"good")
+    create_backend(params)[0].set_state(b"good")
     client.put(key, client.get(key)[0].value[:-1] + b"X")  # a framed value, last byte flipped
     with pytest.raises(RendezvousStateError, match="checksum"):
-        backend.get_state()
+        create_backend(params)[0].get_state()
 
 
 def test_unreachable_endpoint_is_connection_error_within_dial_timeout() -> None:

@@ -22,7 +22,7 @@ from elastic_train import rendezvous
 from elastic_train.errors import EtcdError
 from elastic_train.etcd_client import EtcdClient, EtcdClientConfig
 from elastic_train.etcd_server import EtcdServer, find_etcd_binary
-from elastic_train.rendezvous import create_backend
+from elastic_train.rendezvous import EtcdV3RendezvousBackend, create_backend
 
 PASSWORD = "trainer-pw-0xf00d"
 
@@ -231,12 +231,10 @@ def test_unauthenticated_client_is_refused(auth_server: EtcdServer) -> None:
 # -- signed state ------------------------------------------------------------------------
 
 
-def _backends(endpoint: str, writer: dict, reader: dict) -> tuple:
-    run_id = uuid.uuid4().hex
-    return (
-        create_backend(_params(endpoint, run_id, **writer))[0],
-        create_backend(_params(endpoint, run_id, **reader))[0],
-    )
+def _backend(endpoint: str, run_id: str, **conf: object) -> EtcdV3RendezvousBackend:
+    # Readers are made after the write they check: a backend's copy of the state
+    # follows other writers through a watch, a moment later.
+    return create_backend(_params(endpoint, run_id, **conf))[0]
 
 
 @pytest.fixture
@@ -246,52 +244,55 @@ def secret_file(tmp_path: Path) -> str:
     return str(path)
 
 
+@pytest.fixture
+def run_id() -> str:
+    return uuid.uuid4().hex
+
+
 def test_signed_round_trip(
-    etcd_endpoint: str, secret_file: str, monkeypatch: pytest.MonkeyPatch
+    etcd_endpoint: str, secret_file: str, run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ELASTIC_TRAIN_RDZV_SECRET", "correct horse battery staple")
-    writer, reader = _backends(etcd_endpoint, {"secret_file": secret_file}, {})
+    writer = _backend(etcd_endpoint, run_id, secret_file=secret_file)
     _, token, _ = writer.set_state(b"signed state")
+    reader = _backend(etcd_endpoint, run_id)  # the same secret, from the environment
     assert reader.get_state() == (b"signed state", token)
-    assert reader.set_state(b"next", token)[2]
-    assert writer.get_state()[0] == b"next"
+    _, token, written = reader.set_state(b"next", token)
+    assert written
+    assert _backend(etcd_endpoint, run_id, secret_file=secret_file).get_state() == (b"next", token)
 
 
-def test_unsigned_writer_is_refused(etcd_endpoint: str, secret_file: str) -> None:
-    writer, reader = _backends(etcd_endpoint, {}, {"secret_file": secret_file})
-    writer.set_state(b"unsigned")
+def test_unsigned_writer_is_refused(etcd_endpoint: str, secret_file: str, run_id: str) -> None:
+    _backend(etcd_endpoint, run_id).set_state(b"unsigned")
+    reader = _backend(etcd_endpoint, run_id, secret_file=secret_file)
     with structlog.testing.capture_logs() as logs, pytest.raises(RendezvousStateError):
         reader.get_state()
     (event,) = [e for e in logs if e["event"] == "rendezvous_state_rejected"]
-    assert event["reason"] == "unsigned" and event["key"].endswith("/state")
+    assert event["reason"] == "unsigned"
+    assert event["key"] == f"/elastic_train/{run_id}/state"
 
 
-def test_tampered_byte_is_refused(etcd_endpoint: str, secret_file: str) -> None:
-    writer, reader = _backends(
-        etcd_endpoint, {"secret_file": secret_file}, {"secret_file": secret_file}
-    )
-    writer.set_state(b"rank assignments")
+def test_tampered_byte_is_refused(etcd_endpoint: str, secret_file: str, run_id: str) -> None:
+    _backend(etcd_endpoint, run_id, secret_file=secret_file).set_state(b"rank assignments")
     client = EtcdClient(EtcdClientConfig(endpoints=(etcd_endpoint,)))
-    key = writer._key
+    key = f"/elastic_train/{run_id}/state".encode()
     stored = bytearray(client.get(key)[0].value)
     stored[-3] ^= 0x01
     client.put(key, bytes(stored))
     with pytest.raises(RendezvousStateError, match="checksum mismatch"):
-        reader.get_state()
+        _backend(etcd_endpoint, run_id, secret_file=secret_file).get_state()
 
 
 def test_wrong_secret_and_missing_secret_are_refused(
-    etcd_endpoint: str, secret_file: str, monkeypatch: pytest.MonkeyPatch
+    etcd_endpoint: str, secret_file: str, run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _backend(etcd_endpoint, run_id, secret_file=secret_file).set_state(b"s")
     monkeypatch.setenv("ELASTIC_TRAIN_RDZV_SECRET", "another secret")
-    writer, reader = _backends(etcd_endpoint, {"secret_file": secret_file}, {})
-    writer.set_state(b"s")
     with pytest.raises(RendezvousStateError, match="checksum mismatch"):
-        reader.get_state()
+        _backend(etcd_endpoint, run_id).get_state()
     monkeypatch.delenv("ELASTIC_TRAIN_RDZV_SECRET")
-    unconfigured = create_backend(_params(etcd_endpoint, reader._key.decode().split("/")[2]))[0]
     with pytest.raises(RendezvousStateError, match="no job secret"):
-        unconfigured.get_state()
+        _backend(etcd_endpoint, run_id).get_state()
 
 
 class _Exploit:
@@ -310,15 +311,14 @@ def test_forged_state_never_reaches_the_unpickler(
     """An attacker with write access to the key frames a malicious pickle exactly as an
     unsigned writer would; with a job secret the agent refuses it before unpickling."""
     marker = tmp_path / "pwned"
-    attacker, _ = _backends(etcd_endpoint, {}, {})
-    params = _params(etcd_endpoint, attacker._key.decode().split("/")[2], secret_file=secret_file)
-    attacker.set_state(pickle.dumps(_Exploit(marker)))
-    handler = rendezvous.create_handler(params)
+    run_id = uuid.uuid4().hex
+    _backend(etcd_endpoint, run_id).set_state(pickle.dumps(_Exploit(marker)))
+    handler = rendezvous.create_handler(_params(etcd_endpoint, run_id, secret_file=secret_file))
     with pytest.raises(RendezvousStateError):
         handler.next_rendezvous()
     assert not marker.exists()
     # Control: the same bytes without a secret do run code, which is the risk signing removes.
-    unprotected = rendezvous.create_handler(_params(etcd_endpoint, params.run_id))
+    unprotected = rendezvous.create_handler(_params(etcd_endpoint, run_id))
     with pytest.raises(Exception):  # noqa: B017 - whatever torch makes of the object
         unprotected.next_rendezvous()
     assert marker.exists()
