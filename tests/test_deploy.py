@@ -4,7 +4,6 @@ scripts, and the etcd TLS/auth scripts run against a real etcd."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -15,9 +14,10 @@ import pytest
 import yaml
 from conftest import SHARED_DIR
 from k8s_manifests import REPO_ROOT, container, find, pod_specs, render
+from secure_etcd import PASSWORD, secure_etcd
 
 from elastic_train.config import load_config
-from elastic_train.etcd_server import EtcdServer, find_etcd_binary
+from elastic_train.etcd_server import find_etcd_binary
 
 DEPLOY = REPO_ROOT / "deploy"
 COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
@@ -182,47 +182,19 @@ def _etcdctl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
 
 @pytest.mark.slow
 def test_etcd_scripts_make_a_tls_cluster_with_a_user_limited_to_the_prefix(tmp_path: Path) -> None:
-    certs = tmp_path / "certs"
-    subprocess.run(["bash", str(DEPLOY / "etcd" / "make-certs.sh"), str(certs)], check=True)
-    assert (certs / "client.key").stat().st_mode & 0o077 == 0, "keys are private"
-    server = EtcdServer(
-        data_dir=tmp_path / "etcd" / "data", name="tls", client_scheme="https",
-        extra_args=(
-            "--client-cert-auth", f"--trusted-ca-file={certs / 'ca.crt'}",
-            f"--cert-file={certs / 'server.crt'}", f"--key-file={certs / 'server.key'}",
-        ),
-    ).start()  # fmt: skip
-    try:
-        env = {
-            **os.environ, "PATH": f"{Path(find_etcd_binary()).parent}:{os.environ['PATH']}",
-            "ETCDCTL_API": "3", "ETCDCTL_ENDPOINTS": server.client_url,
-            "ETCDCTL_CACERT": str(certs / "ca.crt"), "ETCDCTL_CERT": str(certs / "client.crt"),
-            "ETCDCTL_KEY": str(certs / "client.key"),
-            "ETCD_ROOT_PASSWORD": "root-secret", "ETCD_PASSWORD": "rendezvous-secret",
-        }  # fmt: skip
-        script = str(DEPLOY / "etcd" / "create-rendezvous-user.sh")
-        for _ in range(2):  # the second run finds authentication on and changes nothing
-            proc = subprocess.run(
-                ["bash", script], env=env, capture_output=True, text=True, check=False
-            )
-            assert proc.returncode == 0, proc.stderr
-            assert "secret" not in proc.stdout + proc.stderr
-        user = {**env, "ETCDCTL_USER": "elastic-train:rendezvous-secret"}
+    with secure_etcd(tmp_path) as etcd:
+        assert (etcd.certs / "client.key").stat().st_mode & 0o077 == 0, "keys are private"
+        again = etcd.create_user()  # finds authentication on, logs in as root
+        assert again.returncode == 0, again.stderr
+        assert "secret" not in again.stdout + again.stderr
+        user = {**etcd.ctl_env, "ETCDCTL_USER": f"elastic-train:{PASSWORD}"}
         assert _etcdctl(user, "put", "/elastic-train/run1/state", "x").returncode == 0
-        assert _etcdctl(user, "get", "/elastic-train/run1/state").stdout.split() == [
-            "/elastic-train/run1/state",
-            "x",
-        ]
+        got = _etcdctl(user, "get", "/elastic-train/run1/state").stdout.split()
+        assert got == ["/elastic-train/run1/state", "x"]
         outside = _etcdctl(user, "put", "/other/key", "x")
         assert outside.returncode != 0 and "permission denied" in outside.stderr
-        wrong = _etcdctl({**env, "ETCDCTL_USER": "elastic-train:wrong"}, "get", "/elastic-train/x")
+        wrong = _etcdctl({**user, "ETCDCTL_USER": "elastic-train:wrong"}, "get", "/elastic-train/x")
         assert wrong.returncode != 0 and "authentication failed" in wrong.stderr
         no_cert = {k: v for k, v in user.items() if k not in ("ETCDCTL_CERT", "ETCDCTL_KEY")}
-        assert (
-            _etcdctl(
-                {**no_cert, "ETCDCTL_DIAL_TIMEOUT": "2s"}, "get", "/elastic-train/x"
-            ).returncode
-            != 0
-        )
-    finally:
-        server.stop()
+        no_cert["ETCDCTL_DIAL_TIMEOUT"] = "2s"
+        assert _etcdctl(no_cert, "get", "/elastic-train/x").returncode != 0

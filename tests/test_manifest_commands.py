@@ -25,12 +25,13 @@ from pathlib import Path
 import psutil
 import pytest
 from k8s_manifests import REPO_ROOT, PodIdentity, container, find, local_process, render
+from secure_etcd import ETCD_SCRIPTS, PASSWORD, secure_etcd, trainer_secrets
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_train import proctree
 from elastic_train.config import load_config
 from elastic_train.errors import EXIT_CONFIG_ERROR
-from elastic_train.etcd_server import EtcdServer, free_port
+from elastic_train.etcd_server import free_port
 from elastic_train.rendezvous import parse_config
 
 STEPS = 40
@@ -109,50 +110,51 @@ def _world_sizes(audit_dir: Path) -> set[int]:
 
 @pytest.mark.slow
 def test_two_pods_of_the_rendered_job_train_to_the_end(
-    etcd_server: EtcdServer, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
-    objs = render("cpu")
+    # The tls overlay is the cpu overlay plus etcd TLS and authentication, so
+    # this runs every part of the trainer's command line, against an etcd
+    # secured by deploy/etcd/'s scripts.
+    objs = render("tls")
     job = find(objs, "Job", "elastic-train")
     pod_spec = job["spec"]["template"]["spec"]
     assert job["spec"]["parallelism"] == 2
-    audit = tmp_path / "audit"
+    audit, shared = tmp_path / "audit", tmp_path / "pvc" / "elastic-train-checkpoints"
     ports = [free_port(), free_port()]
-    init_procs, trainers, logs = [], [], []
-    for index in range(job["spec"]["parallelism"]):
-        pod = PodIdentity(
-            name=f"elastic-train-{index}", namespace=job["metadata"]["namespace"],
-            index=index, job_uid="6d1f0b52-0000-4000-8000-k8s-test",
-        )  # fmt: skip
-        make = dict(
-            pod=pod, root=tmp_path, substitutions={"etcd:2379": etcd_server.endpoint},
-            host_ports={9400: ports[index]},
-        )  # fmt: skip
-        init = local_process(objs, pod_spec, container(pod_spec, "config-check"), **make)
-        main = local_process(objs, pod_spec, container(pod_spec, "trainer"), **make)
-        env = {**os.environ, **main.env}
-        init_procs.append(subprocess.run(
-            init.argv, env={**os.environ, **init.env}, cwd=init.cwd,
-            capture_output=True, text=True, timeout=120, check=False,
-        ))  # fmt: skip
-        argv = [*main.argv, *TINY, f"--logging.audit_dir={audit}"]
-        logs.append(tmp_path / f"{pod.name}.log")
-        trainers.append((argv, env, main.cwd, logs[-1]))
-    for init in init_procs:
-        assert init.returncode == 0, init.stderr
-        # The ConfigMap's /checkpoints is the PVC mount, a directory both pods share.
-        printed = tmp_path / "printed.toml"
-        printed.write_text(init.stdout)
-        shared = tmp_path / "pvc" / "elastic-train-checkpoints"
-        assert load_config(printed).checkpoint.dir == str(shared)
-    for argv, env, cwd, log in trainers:
-        processes.append(_start(argv, env=env, cwd=cwd, log=log))
-    served = _wait_all(processes, logs, metrics_ports=ports)
+    with secure_etcd(tmp_path / "etcd") as etcd:
+        trainers = []
+        for index in range(job["spec"]["parallelism"]):
+            pod = PodIdentity(
+                name=f"elastic-train-{index}", namespace=job["metadata"]["namespace"],
+                index=index, job_uid="6d1f0b52-k8s-test",
+            )  # fmt: skip
+            make = dict(
+                pod=pod, root=tmp_path, substitutions={"etcd:2379": etcd.server.endpoint},
+                host_ports={9400: ports[index]}, secrets=trainer_secrets(etcd.certs),
+            )  # fmt: skip
+            init = local_process(objs, pod_spec, container(pod_spec, "config-check"), **make)
+            checked = subprocess.run(
+                init.argv, env={**os.environ, **init.env}, cwd=init.cwd,
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert checked.returncode == 0, checked.stderr
+            trainer = local_process(objs, pod_spec, container(pod_spec, "trainer"), **make)
+            # In the trainer the ConfigMap's /checkpoints is the PVC both pods share.
+            config_path = next(a for a in trainer.argv if a.endswith("train.toml"))
+            assert load_config(config_path).checkpoint.dir == str(shared)
+            trainers.append((trainer, pod))
+        logs = []
+        for trainer, pod in trainers:
+            logs.append(tmp_path / f"{pod.name}.log")
+            argv = [*trainer.argv, *TINY, f"--logging.audit_dir={audit}"]
+            env = {**os.environ, **trainer.env}
+            processes.append(_start(argv, env=env, cwd=trainer.cwd, log=logs[-1]))
+        served = _wait_all(processes, logs, metrics_ports=ports)
     for proc, log in zip(processes, logs, strict=True):
         assert proc.returncode == 0, log.read_text()[-3000:]
-    result = _result(audit)
-    assert result["final_step"] == STEPS
+    assert _result(audit)["final_step"] == STEPS
     assert 2 in _world_sizes(audit), "the two pods never trained in one world"
-    checkpoints = sorted((tmp_path / "pvc" / "elastic-train-checkpoints").glob("step-*"))
+    checkpoints = sorted(shared.glob("step-*"))
     assert checkpoints and checkpoints[-1].name.endswith(f"{STEPS:09d}")
     # Each node served its metrics on the port the manifest names `metrics`.
     assert served == set(ports)
@@ -280,15 +282,13 @@ def test_the_rendezvous_backend_accepts_the_manifests_rdzv_options(
     pod_spec = find(objs, "Job", "elastic-train")["spec"]["template"]["spec"]
     secrets = {}
     if overlay == "tls":
+        certs = tmp_path / "certs"
         subprocess.run(
-            ["bash", str(REPO_ROOT / "deploy" / "etcd" / "make-certs.sh"), str(tmp_path / "certs")],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        pem = {p.name: p.read_text() for p in (tmp_path / "certs").iterdir()}
-        secrets = {
-            "etcd-client-tls": {k: pem[k] for k in ("ca.crt", "client.crt", "client.key")},
-            "etcd-rendezvous-auth": {"password": "rendezvous-secret"},
-        }
+            ["bash", str(ETCD_SCRIPTS / "make-certs.sh"), str(certs)],
+            check=True,
+            capture_output=True,
+        )
+        secrets = trainer_secrets(certs)
     pod = PodIdentity(name="elastic-train-0", namespace="elastic-train", index=0, job_uid="uid-1")
     trainer = local_process(
         objs, pod_spec, container(pod_spec, "trainer"), pod=pod, root=tmp_path,
@@ -303,6 +303,4 @@ def test_the_rendezvous_backend_accepts_the_manifests_rdzv_options(
     if overlay == "tls":
         assert config.client.protocol == "https"
         assert Path(config.client.cert).read_text() == secrets["etcd-client-tls"]["client.crt"]
-        assert (config.client.username, config.client.password) == (
-            "elastic-train", "rendezvous-secret",
-        )  # fmt: skip
+        assert (config.client.username, config.client.password) == ("elastic-train", PASSWORD)
