@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,7 +64,7 @@ def test_job_level_counts_come_from_rank_0_only() -> None:
 
 def test_recovery_is_measured_once_from_the_agents_start_time() -> None:
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
-    started_at = __import__("time").time() - 5.0
+    started_at = time.time() - 5.0
     restarted = metrics.WorkerMetrics.from_env(
         {**env, metrics.RECOVERY_STARTED_AT_ENV: repr(started_at)}
     )

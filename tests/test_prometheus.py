@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import threading
@@ -119,6 +120,26 @@ def _dipped_and_recovered(values: list[float], full: float) -> bool:
     return full in values[dip:]
 
 
+def _check_logged_events(path: Path) -> None:
+    """The node's real JSON log: named events carry the context bound in their process."""
+    events: dict[str, list[dict]] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            events.setdefault(event["event"], []).append(event)
+    worker_keys = {"run_id", "node", "rank", "local_rank", "world_size", "restart"}
+    for name, keys in [
+        ("rendezvous_joined", {"run_id", "node"}),  # the agent
+        ("metrics_endpoint_started", {"run_id", "node"}),
+        ("resumed", worker_keys),
+        ("checkpoint_saved", worker_keys),  # from the writer thread
+    ]:
+        assert name in events, f"no {name} event in {path}"
+        for event in events[name]:
+            assert keys <= event.keys() and event["node"] == "node0", event
+    assert [e["world_size"] for e in events["resumed"]] == [2, 1, 2]  # start, kill, join
+
+
 JOB = "elastic-train"
 TRAINER = (
     "--model.name=mlp", "--data.name=synthetic", "--training.steps=60",
@@ -169,6 +190,7 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(tmp_path: Pat
         end = time.time()
         (summary,) = summaries
         assert summary.completed, summary.error
+        _check_logged_events(tmp_path / "run" / "logs" / "node0.log")
         wait_for(lambda: prom.query("up", at=end), timeout=10, what="scrapes stored")
 
         for title, expr in dashboard_targets():
