@@ -252,8 +252,12 @@ _CHILD = textwrap.dedent(
 
     configure_logging(json=True)  # events to stderr, the result to stdout
     directory, mode = sys.argv[1:3]
-    manager = CheckpointManager(directory, keep=3, fingerprint="fingerprint-a", is_writer=True)
+    # keep=1: were step 1 pruned before step 2 completed, nothing would be left
+    manager = CheckpointManager(directory, keep=1, fingerprint="fingerprint-a", is_writer=True)
     big = {"model": {"w": torch.ones(4_000_000)}, "step": 2}  # 16 MB
+    if mode == "exit-while-writing":
+        manager.save(2, big)  # asynchronous, and the interpreter exits right away
+        sys.exit(0)
     if mode == "before-manifest":
         CheckpointManager._write_manifest = lambda *a: os._exit(3)
         manager.save(2, big, blocking=True)
@@ -296,6 +300,7 @@ def _assert_only_step_1_is_complete(directory: Path) -> None:
     assert complete == ["step-000000001"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mid-write", "before-manifest"])
 def test_crash_during_a_write_leaves_nothing_that_looks_complete(tmp_path: Path, mode: str) -> None:
     _manager(tmp_path, async_save=False).save(1, _state(1.0))
@@ -310,6 +315,7 @@ def test_crash_during_a_write_leaves_nothing_that_looks_complete(tmp_path: Path,
     assert manager.load_latest(map_location="cpu")[0] == 2
 
 
+@pytest.mark.slow
 def test_disk_full_is_counted_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     _manager(tmp_path, async_save=False).save(1, _state(1.0))
     result = _run_child(tmp_path, "disk-full")
@@ -322,3 +328,12 @@ def test_disk_full_is_counted_and_keeps_the_previous_checkpoint(tmp_path: Path) 
     assert "checkpoint_write_failed" in result.stderr
     _assert_only_step_1_is_complete(tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_an_in_flight_save_is_flushed_at_interpreter_exit(tmp_path: Path) -> None:
+    _manager(tmp_path, async_save=False).save(1, _state(1.0))
+    result = _run_child(tmp_path, "exit-while-writing")
+    assert result.returncode == 0, result.stderr
+    step, state = _manager(tmp_path, is_writer=False).load_latest(map_location="cpu")
+    assert step == 2 and state["model"]["w"].shape == (4_000_000,)

@@ -210,6 +210,7 @@ def _child(run_id: str, root: Path, mode: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _CHILD, run_id, str(root), mode])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "signum"), [("allocating", signal.SIGXFSZ), ("copying", signal.SIGKILL)]
 )
@@ -230,6 +231,7 @@ def test_a_snapshot_killed_halfway_is_never_used(shm_root: Path, mode: str, sign
         store.remove()
 
 
+@pytest.mark.slow
 def test_sigkill_at_an_arbitrary_moment_leaves_a_consistent_snapshot(shm_root: Path) -> None:
     run_id = f"test-{uuid.uuid4().hex[:12]}"
     store = SnapshotStore(run_id, fingerprint=FP, root=shm_root, is_writer=False)
