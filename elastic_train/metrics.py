@@ -230,7 +230,7 @@ def enable_multiprocess(directory: Path) -> None:
 
 
 def etcd_request(op: str, *, seconds: float, error: bool) -> None:
-    """Record one etcd request: ``op`` is the operation (``get``, ``txn``, ``watch``...)."""
+    """Record one etcd request; ``op`` names the operation (``range``, ``txn``, ``put``...)."""
     ETCD_SECONDS.labels(node_name(), op).observe(seconds)
     if error:
         ETCD_ERRORS.labels(node_name(), op).inc()
