@@ -35,7 +35,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     ks = [int(k) for k in args.agents.split(",")]
     idle_s = args.idle_seconds
     if args.smoke:
-        ks, idle_s = [2], 1.0
+        ks, idle_s = [2], 2.0
     competitors = harness.select_competitors(args.competitors)
     started, host = time.time(), harness.machine()
     by_k: dict[str, Any] = {}
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                 workdir=workdir / f"k{k}",
             )
             summary = harness.summarize_outcomes(outcomes, METRICS)
-            by_k[str(k)] = {"summary": summary, "runs": {n: o.runs for n, o in outcomes.items()}}
+            by_k[str(k)] = {"summary": summary, "runs": {n: asdict(o) for n, o in outcomes.items()}}
     finally:
         if tmp:
             tmp.cleanup()
