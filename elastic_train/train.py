@@ -15,6 +15,7 @@ the global batch, the same as one worker computes, up to summation order.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -449,17 +450,23 @@ def finish(t: Trainer) -> TrainResult:
     if t.cfg.logging.audit_dir:
         summary = {
             "final_step": t.step, "final_loss": loss, "epoch": t.sampler.epoch,
-            "world_size": t.ctx.world_size, "attempt": t.attempt,
+            "world_size": t.ctx.world_size, "attempt": t.attempt, "dataset_len": len(t.data),
         }  # fmt: skip
         write_result(t.cfg.logging.audit_dir, result=summary, params=t.model.state_dict())
     return result
 
 
 def close(t: Trainer) -> None:
-    """Flush an in-flight checkpoint and close files; safe after a failed step."""
+    """Flush an in-flight checkpoint, close files, free DDP; also after a failed step."""
     t.guards.close()
     t.metrics.close()
     if t.checkpoint is not None:
         t.checkpoint.close()
     if t.audit is not None:
         t.audit.close()
+    # DDP's C++ reducer holds the process group. Were it the last holder, the
+    # group's destructor would join gloo's threads with the GIL held, which
+    # deadlocks when one of them needs the GIL to free a finished work
+    # (pytorch#56297; seen here). Free it while the group is still registered.
+    t.__dict__.pop("ddp", None)
+    gc.collect()
