@@ -159,7 +159,11 @@ def _etcdctl(endpoint: str, *args: str) -> None:
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """etcd with auth on and a user ``trainer`` whose role may only touch ``/elastic_train/``."""
-    server = EtcdServer(data_dir=tmp_path_factory.mktemp("etcd-auth") / "data", name="auth")
+    server = EtcdServer(
+        data_dir=tmp_path_factory.mktemp("etcd-auth") / "data",
+        name="auth",
+        extra_args=["--auth-token-ttl=1"],  # tokens expire fast, so re-login is tested
+    )
     server.start()
     ep = server.endpoint
     _etcdctl(ep, "user", "add", "root", "--new-user-password=root-pw")
@@ -185,6 +189,17 @@ def test_prefix_limited_role_runs_a_rendezvous(
     assert (info.rank, info.world_size) == (0, 1)
     assert info.store.get("MASTER_PORT")
     assert handler.shutdown()
+
+
+def test_expired_token_is_renewed(auth_server: EtcdServer) -> None:
+    config = EtcdClientConfig(
+        endpoints=(auth_server.endpoint,), username="trainer", password=PASSWORD
+    )
+    client = EtcdClient(config)
+    client.put(b"/elastic_train/token-test", b"1")
+    time.sleep(2.5)  # let the server forget the token (--auth-token-ttl=1)
+    client.put(b"/elastic_train/token-test", b"2")
+    assert client.get(b"/elastic_train/token-test")[0].value == b"2"
 
 
 def test_wrong_password_is_a_clear_connection_error(
