@@ -35,15 +35,19 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
 
 from elastic_train import metrics
 from elastic_train.errors import ConfigError
@@ -74,7 +78,7 @@ class MetricsEndpointConfig:
 
     @classmethod
     def from_params(
-        cls, params: Any, environ: Mapping[str, str] = os.environ
+        cls, params: RendezvousParameters, environ: Mapping[str, str] = os.environ
     ) -> MetricsEndpointConfig:
         """From a ``RendezvousParameters``' config (rdzv-conf), falling back to ``environ``."""
 
@@ -190,7 +194,7 @@ class _TimedRendezvous:
     receive in :data:`metrics.RECOVERY_STARTED_AT_ENV`.
     """
 
-    def __init__(self, next_rendezvous: Any) -> None:
+    def __init__(self, next_rendezvous: Callable[[], RendezvousInfo]) -> None:
         self._next_rendezvous = next_rendezvous
         self._rounds = 0
         node = metrics.node_name()
@@ -204,7 +208,7 @@ class _TimedRendezvous:
         )
         self._seconds = metrics.RDZV_SECONDS.labels(node)
 
-    def __call__(self) -> Any:
+    def __call__(self) -> RendezvousInfo:
         if self._rounds:
             os.environ[metrics.RECOVERY_STARTED_AT_ENV] = repr(time.time())
             self._restarts.inc()
@@ -229,7 +233,7 @@ class _TimedRendezvous:
         return info
 
 
-def wrap_handler(handler: Any, params: Any) -> Any:
+def wrap_handler(handler: RendezvousHandler, params: RendezvousParameters) -> RendezvousHandler:
     """Start the node's metrics endpoint and time ``handler``'s rounds; returns ``handler``."""
     configure_logging_if_unconfigured()
     register_secret(params.config.get("password"))
@@ -242,5 +246,5 @@ def wrap_handler(handler: Any, params: Any) -> Any:
     metrics.MAX_NODES.labels(node).set(params.max_nodes)
     # An instance attribute shadows the method: the handler keeps its type and
     # every other attribute torchrun reads (use_agent_store, get_backend, ...).
-    handler.next_rendezvous = _TimedRendezvous(handler.next_rendezvous)
+    handler.next_rendezvous = _TimedRendezvous(handler.next_rendezvous)  # type: ignore[method-assign]
     return handler

@@ -122,6 +122,7 @@ def test_bad_metrics_port_is_refused_naming_the_key(port: str) -> None:
 
 
 def test_a_busy_port_is_a_config_error_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    exported = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -129,7 +130,7 @@ def test_a_busy_port_is_a_config_error_and_leaves_nothing_behind(tmp_path: Path)
         with pytest.raises(ConfigError, match=f"metrics_port={port}"):
             MetricsEndpoint(host="127.0.0.1", port=port, parent_dir=tmp_path, run_id="r")
     assert list(tmp_path.iterdir()) == []
-    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == exported  # not switched
 
 
 def _scrape(port: int) -> str:
