@@ -42,7 +42,7 @@ from elastic_train.errors import EtcdError, EtcdUnavailableError
 from elastic_train.etcd_client import EtcdClient, EtcdClientConfig, KeyValue
 from elastic_train.etcd_store import EtcdV3Store
 from elastic_train.etcd_sync import LeaseKeeper, WatchedKey, close_with
-from elastic_train.log import get_logger
+from elastic_train.log import configure_logging_if_unconfigured, get_logger
 
 log = get_logger(__name__)
 
@@ -383,6 +383,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     job hangs, because rank 0 does not republish ``MASTER_ADDR``/``MASTER_PORT``
     into the new round's store.
     """
+    configure_logging_if_unconfigured()  # the agent's own events: JSON, secrets redacted
     config = parse_config(params)
     backend, store = _create_backend(params, config)
     settings = config.handler
