@@ -22,8 +22,8 @@ ATOL = 2e-6
 
 
 def _job(audit_dir: Path, *extra: str) -> list[str]:
-    return [*TINY_JOB, f"training.steps={STEPS}", "checkpoint.dir=", f"logging.audit_dir={audit_dir}",
-            *extra]  # fmt: skip
+    audit = f"logging.audit_dir={audit_dir}"
+    return [*TINY_JOB, f"training.steps={STEPS}", "checkpoint.dir=", audit, *extra]
 
 
 def _initial_params(overrides: list[str]) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch._dynamo  # noqa: F401  (see below)
+import torch._dynamo  # imported for the forked children, see below
 import torch.multiprocessing as mp
 
 from elastic_train.config import load_config
