@@ -196,3 +196,36 @@ def slurm_worker_env(env: Mapping[str, str], *, master_port: int = 29500) -> dic
         "MASTER_ADDR": hosts[0],
         "MASTER_PORT": str(master_port),
     }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m elastic_train.launch slurm-torchrun-args|slurm-worker-env`` for job scripts."""
+    parser = argparse.ArgumentParser(prog="python -m elastic_train.launch")
+    sub = parser.add_subparsers(dest="what", required=True)
+    args_p = sub.add_parser("slurm-torchrun-args", help="torchrun arguments for this srun task")
+    args_p.add_argument("--etcd-endpoint", help="host:port; default: first node, --etcd-port")
+    args_p.add_argument("--etcd-port", type=int, default=2379)
+    args_p.add_argument("--min-nodes", type=int, default=None, help="MIN of --nnodes MIN:MAX")
+    args_p.add_argument("--rdzv-backend", default="etcd")
+    env_p = sub.add_parser("slurm-worker-env", help="export lines for one srun task per GPU")
+    env_p.add_argument("--master-port", type=int, default=29500)
+    args = parser.parse_args(argv)
+    try:
+        if args.what == "slurm-torchrun-args":
+            launch = slurm_torchrun_args(
+                os.environ, etcd_endpoint=args.etcd_endpoint, etcd_port=args.etcd_port
+            )
+            print(
+                " ".join(launch.torchrun_args(min_nodes=args.min_nodes, backend=args.rdzv_backend))
+            )
+        else:
+            for key, value in slurm_worker_env(os.environ, master_port=args.master_port).items():
+                print(f"export {key}={value}")
+    except ConfigError as exc:
+        print(f"elastic_train.launch: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
