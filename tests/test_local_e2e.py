@@ -18,17 +18,19 @@ import torch
 from elastic_train.cluster import MAIN_SCRIPT
 
 #: A small MLP on 96 synthetic samples, 6 steps per epoch: many finished
-#: epochs to audit, and steps short enough for the whole run to take ~1 min.
-#: 80 steps leave room for the joiner, which needs a few seconds to start.
+#: epochs to audit. Each step takes at least 0.1 s (tests/paced_model.py), so
+#: the ~80 steps after the join trigger leave the joiner 8 s or more to start,
+#: on any machine; the whole run takes about a minute on 2 busy cores.
+STEPS = 90
 TRAINER_ARGS = [
-    "--model.name=mlp",
     "--data.name=synthetic",
     "--data.num_samples=96",
     "--training.global_batch_size=16",
-    "--training.steps=80",
+    f"--training.steps={STEPS}",
     "--training.final_loss_samples=96",
     "--checkpoint.interval_steps=4",
 ]
+PACED = ["--model.name=tests.paced_model:paced_mlp", "--model.options.seconds=0.1"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -43,7 +45,7 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "3", "--min-nodes", "2",
         "--chaos", "kill:1@step6,join:1@step10", "--json", str(summary_path),
-        "--run-dir", str(run_dir), "--quiet", "--timeout", "240", *TRAINER_ARGS,
+        "--run-dir", str(run_dir), "--quiet", "--timeout", "240", *TRAINER_ARGS, *PACED,
     ]  # fmt: skip
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
     assert summary_path.is_file(), proc.stderr[-3000:]
@@ -54,9 +56,9 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 def test_kill_and_join_on_three_nodes_complete_exactly_once(chaos_run: tuple[dict, Path]) -> None:
     summary, _ = chaos_run
     assert summary["completed"], summary
-    assert summary["final_step"] == 80
+    assert summary["final_step"] == STEPS
     assert summary["exactly_once"], summary["exactly_once_detail"]
-    assert "13 finished epochs" in summary["exactly_once_detail"]  # 80 steps of 6 per epoch
+    assert f"{STEPS // 6} finished epochs" in summary["exactly_once_detail"]
     assert [(r["kind"], r["node"], r["world_size_after"]) for r in summary["recoveries"]] == [
         ("kill", 1, 2),
         ("join", 1, 3),
@@ -72,9 +74,10 @@ def test_resized_run_ends_where_an_uninterrupted_run_does(
     chaos_run: tuple[dict, Path], tmp_path: Path
 ) -> None:
     summary, run_dir = chaos_run
-    # The reference: the same config, one process, no torchrun, no faults.
+    # The reference: the same config, one process, no torchrun, no faults,
+    # and no pacing (a sleep does not change the arithmetic).
     reference = subprocess.run(
-        [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS,
+        [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS, PACED[0], "--model.options.seconds=0",
          f"--logging.audit_dir={tmp_path / 'audit'}", f"--checkpoint.dir={tmp_path / 'ckpt'}"],
         env=ENV, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
