@@ -46,7 +46,7 @@ class EtcdClientConfig:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     dial_timeout: float = 5.0
-    read_timeout: float = 10.0
+    read_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:

@@ -112,7 +112,7 @@ def parse_config(params: RendezvousParameters) -> RendezvousConfig:
         username=params.get("username") or os.environ.get("ETCD_USERNAME"),
         password=params.get("password") or os.environ.get("ETCD_PASSWORD"),
         dial_timeout=_number(params, "dial_timeout", 5.0, float),
-        read_timeout=_number(params, "read_timeout", 10.0, float),
+        read_timeout=_number(params, "read_timeout", 5.0, float),
     )
     handler = HandlerSettings(
         **{
@@ -358,7 +358,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     cacert, cert, key       none        CA bundle, client certificate and its key (files)
     username, password      env         default ``ETCD_USERNAME``/``ETCD_PASSWORD``
     dial_timeout            5 s         bound on reaching some member: nothing hangs
-    read_timeout            10 s        per request; covers an etcd leader election
+    read_timeout            5 s         per request: a hung member costs this, then failover
     key_prefix              /elastic_   keys go under ``{key_prefix}/{run_id}/``; grant the
                             train       etcd role readwrite on this prefix
     ttl                     7200 s      lease of every key, renewed on write: abandoned

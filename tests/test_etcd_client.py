@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -12,7 +14,7 @@ import pytest
 
 from elastic_train.errors import EtcdError, EtcdUnavailableError
 from elastic_train.etcd_client import EtcdClient, EtcdClientConfig, parse_endpoint
-from elastic_train.etcd_server import EtcdServer, free_port
+from elastic_train.etcd_server import EtcdCluster, EtcdServer, free_port
 from elastic_train.etcd_sync import LeaseKeeper, WatchedKey
 
 
@@ -102,6 +104,27 @@ def test_fails_over_past_dead_and_silent_members(
     start = time.monotonic()
     assert client.get(b"/test/failover")[0].value == b"v"
     assert time.monotonic() - start < 0.5  # sticks to the live member
+
+
+def test_hung_member_costs_one_read_timeout_then_fails_over(tmp_path: Path) -> None:
+    cluster = EtcdCluster(tmp_path, size=3).start()
+    try:
+        hung = cluster.members[0]
+        config = EtcdClientConfig(
+            endpoints=tuple(m.endpoint for m in cluster.members), read_timeout=1
+        )
+        client = EtcdClient(config)
+        client.put(b"/test/hung", b"1")  # connected to the first member
+        os.kill(hung.process.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            client.put(b"/test/hung", b"2")
+            assert time.monotonic() - start < 3.0
+            assert client.get(b"/test/hung")[0].value == b"2"
+        finally:
+            os.kill(hung.process.pid, signal.SIGCONT)
+    finally:
+        cluster.stop()
 
 
 def test_put_if_revision(client: EtcdClient, request: pytest.FixtureRequest) -> None:
