@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
@@ -225,8 +226,11 @@ def enable_multiprocess(directory: Path) -> None:
     """
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
     values.ValueClass = values.MultiProcessValue()
-    for metric in _ALL:
-        metric.clear()
+    with warnings.catch_warnings():
+        # It warns that clearing leaves values in the files: there are none yet.
+        warnings.simplefilter("ignore", UserWarning)
+        for metric in _ALL:
+            metric.clear()
 
 
 def etcd_request(op: str, *, seconds: float, error: bool) -> None:

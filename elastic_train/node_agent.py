@@ -38,16 +38,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
-from torch.distributed.elastic.rendezvous import (
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousParameters,
-)
 
 from elastic_train import metrics
 from elastic_train.errors import ConfigError
@@ -59,6 +55,15 @@ from elastic_train.log import (
 )
 
 __all__ = ["RDZV_CONF_KEYS", "MetricsEndpoint", "MetricsEndpointConfig", "wrap_handler"]
+
+if TYPE_CHECKING:
+    # Not at run time: importing torch's rendezvous package loads the torchrun
+    # entry points, i.e. elastic_train.rendezvous, which imports this module.
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousInfo,
+        RendezvousParameters,
+    )
 
 log = get_logger(__name__)
 
