@@ -280,10 +280,16 @@ class LocalCluster:
                 self._seen.setdefault((proc.pid, proc.create_time()), proc)
 
     def deliver(self, event: ChaosEvent) -> str | None:
-        """Carry out one event; the outcome, or None to retry later (no worker to stop yet)."""
+        """Carry out one event; the outcome, or None to retry on the next tick.
+
+        Retried: a stop while the node has no worker, a join while the
+        node's terminated agent is still shutting down.
+        """
         node = self.nodes.get(event.node)
         running = node is not None and node.alive
         if event.kind == "join":
+            if running and node.fate == "terminated":  # type: ignore[union-attr]
+                return None  # rejoin once the old agent finished shutting down
             if running:
                 return f"skipped: node{event.node} is already running"
             self.start_node(event.node)

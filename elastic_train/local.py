@@ -175,6 +175,7 @@ class _Supervisor:
     def run(self) -> str | None:
         """Returns an error message when the run had to be cut short."""
         timeout = self.cluster.spec.timeout_s
+        self.started = time.monotonic()  # chaos times count from the nodes' start
         while True:
             self.board.observe(self.tail.poll())
             self._fire_due_events()
