@@ -201,3 +201,19 @@ def test_agent_endpoint_keeps_counting_across_a_worker_restart(
             agent.wait()
     assert not directory.exists(), "the agent removes the directory it created"
     assert (parent / "not-ours.txt").read_text() == "must survive"
+
+
+@pytest.mark.slow  # imports torch in a fresh process
+def test_importing_the_node_agent_first_keeps_the_torchrun_handlers_loadable() -> None:
+    """torch's rendezvous package loads our entry points; node_agent must not import it."""
+    child = (
+        "import elastic_train.node_agent\n"
+        "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as r\n"
+        "import torch.distributed.elastic.rendezvous.registry\n"
+        "print(sorted(r._registry))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "Exception while registering" not in proc.stderr, proc.stderr
+    assert "'etcd-v3'" in proc.stdout
