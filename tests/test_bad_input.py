@@ -1,0 +1,148 @@
+"""Bad input fails at start with a clear message; bad checkpoints are refused.
+
+Real trainer processes (``python -m elastic_train.main``), one process each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_train import checkpoint as ckpt
+from elastic_train.config import fingerprint, load_config
+from elastic_train.errors import EXIT_CHECKPOINT_FAILURES, EXIT_CONFIG_ERROR
+from elastic_train.main import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = (
+    "--model.name=mlp", "--model.hidden_size=16", "--data.name=synthetic",
+    "--data.num_samples=64", "--data.num_features=8", "--data.num_classes=4",
+    "--training.global_batch_size=16", "--training.final_loss_samples=64",
+    "--logging.format=json", "--checkpoint.interval_steps=2",
+)  # fmt: skip
+
+
+def _trainer(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "examples")}
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_train.main", *args],
+        capture_output=True, text=True, timeout=120, env=env, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ('[training]\nsteps = "ten"\n', "training.steps = 'ten': expected an integer"),
+        ("[training]\nstepz = 10\n", "unknown key training.stepz; known keys: steps"),
+        ("[trianing]\nsteps = 10\n", "unknown section [trianing]"),
+        ('[training]\nprecision = "fp8"\n', "one of 'fp32', 'bf16', 'fp16'"),
+    ],
+)
+def test_bad_config_file_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], toml: str, expected: str
+) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(toml)
+    assert main(["--config", str(path)]) == EXIT_CONFIG_ERROR
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_missing_dataset_is_refused_at_start(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.csv"
+    proc = _trainer(
+        *TINY, "--data.name=custom_model_dataset:make_dataset", "--model.name=mlp",
+        f"--data.options.path={missing}", "--checkpoint.dir=",
+    )  # fmt: skip
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr
+    assert f"data.options.path = {str(missing)!r}: no such file" in proc.stderr
+    proc = _trainer(*TINY, "--data.name=no_such_package.data:make", "--checkpoint.dir=")
+    assert proc.returncode == EXIT_CONFIG_ERROR
+    assert "data.name" in proc.stderr and "no_such_package" in proc.stderr
+
+
+def _plant(directory: Path, step: int, payload: bytes, *, fingerprint_: str) -> None:
+    """A step directory whose manifest vouches for ``payload`` (what an attacker
+    with write access to the checkpoint directory could do)."""
+    step_dir = directory / f"step-{step:09d}"
+    step_dir.mkdir()
+    (step_dir / ckpt.STATE_FILE).write_bytes(payload)
+    body = {
+        "format": ckpt.FORMAT, "step": step, "fingerprint": fingerprint_,
+        "files": {ckpt.STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(),
+                                    "bytes": len(payload)}},
+        "metadata": {"step": step, "world_size": 1},
+    }  # fmt: skip
+    manifest = {"body": body, "sha256": ckpt._manifest_checksum(body)}
+    (step_dir / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+class _Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))  # unpickling would create the marker
+
+
+@pytest.mark.slow
+def test_foreign_and_non_checkpoints_are_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    first = _trainer(*TINY, "--training.steps=4", f"--checkpoint.dir={directory}")
+    assert first.returncode == 0, first.stderr
+
+    # Another config (a different model) must not resume from this directory.
+    other = _trainer(*TINY, "--training.steps=6", "--model.hidden_size=32",
+                     f"--checkpoint.dir={directory}")  # fmt: skip
+    assert other.returncode == EXIT_CONFIG_ERROR
+    assert "config fingerprint" in other.stderr and "new checkpoint directory" in other.stderr
+
+    # Newer "checkpoints" that are not ours: garbage without a manifest, and a
+    # pickle exploit with a manifest that vouches for it. Neither is unpickled.
+    marker = tmp_path / "pwned"
+    cfg = load_config(None, [arg[2:] for arg in (*TINY, "--training.steps=6")])
+    (directory / "step-000000005").mkdir()
+    (directory / "step-000000005" / ckpt.STATE_FILE).write_bytes(b"not a checkpoint")
+    _plant(directory, 6, pickle.dumps(_Exploit(marker)), fingerprint_=fingerprint(cfg))
+    resumed = _trainer(*TINY, "--training.steps=6", f"--checkpoint.dir={directory}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert not marker.exists()
+    events = [json.loads(line) for line in resumed.stderr.splitlines() if line.startswith("{")]
+    fallbacks = [e for e in events if e["event"] == "checkpoint_fallback"]
+    assert {e["step"] for e in fallbacks} == {5, 6}
+    assert any("refused by torch.load" in e["reason"] for e in fallbacks)
+    (resume,) = [e for e in events if e["event"] == "resumed"]
+    assert resume["restored_step"] == 4
+
+
+def _limit_file_size() -> None:
+    # Small enough for no checkpoint, large enough for progress.json. Python
+    # ignores SIGXFSZ, so a write past the limit fails with EFBIG.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+
+
+@pytest.mark.slow
+def test_consecutive_checkpoint_failures_end_the_worker(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    proc = _trainer(
+        *TINY, "--training.steps=20", f"--checkpoint.dir={directory}",
+        "--checkpoint.max_consecutive_failures=3", "--checkpoint.async_save=false",
+        preexec_fn=_limit_file_size,
+    )  # fmt: skip
+    assert proc.returncode == EXIT_CHECKPOINT_FAILURES, proc.stderr[-2000:]
+    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    failed = [e for e in events if e["event"] == "checkpoint_write_failed"]
+    assert [e["consecutive_failures"] for e in failed] == [1, 2, 3]
+    assert all(e["error"] == "File too large" for e in failed)
+    (fatal,) = [e for e in events if e["event"] == "checkpoint_failures_exceeded"]
+    assert "checkpoint.max_consecutive_failures=3" in fatal["error"]
+    assert not list(directory.glob("step-*")) and not list(directory.glob(".tmp-*"))
