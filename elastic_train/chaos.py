@@ -24,27 +24,39 @@ KINDS: tuple[ChaosKind, ...] = ("kill", "join", "term", "stop")
 
 _FORMS = (
     "accepted forms: KIND:NODE@SECONDSs (e.g. kill:1@20s) or KIND:NODE@stepN "
-    f"(e.g. join:1@step30), KIND one of {', '.join(KINDS)}, NODE a node index >= 0"
+    f"(e.g. join:1@step30), KIND one of {', '.join(KINDS)}, NODE a node index >= 0 "
+    "or rankN, the node that runs global rank N (e.g. kill:rank0@step10; not for join)"
 )
-_EVENT = re.compile(r"^(?P<kind>[a-z]+):(?P<node>\d+)@(?P<when>.+)$")
+_EVENT = re.compile(r"^(?P<kind>[a-z]+):(?P<target>\d+|rank\d+)@(?P<when>.+)$")
 _SECONDS = re.compile(r"^(?P<value>\d+(?:\.\d+)?)s$")
 _STEP = re.compile(r"^step(?P<value>\d+)$")
 
 
 @dataclass(frozen=True)
 class ChaosEvent:
-    """One scheduled fault or join; exactly one of ``at_seconds``/``at_step`` is set."""
+    """One scheduled fault or join.
+
+    Exactly one of ``at_seconds``/``at_step`` is set, and exactly one of
+    ``node``/``rank``: a rank target is resolved when the event is due, to the
+    node whose worker last recorded that global rank.
+    """
 
     kind: ChaosKind
-    node: int
+    node: int | None
     at_seconds: float | None = None
     at_step: int | None = None
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"chaos kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if self.node < 0:
-            raise ConfigError(f"chaos node {self.node} must be >= 0")
+        if (self.node is None) == (self.rank is None):
+            raise ConfigError("a chaos event needs exactly one of node or rank")
+        if self.kind == "join" and self.node is None:
+            raise ConfigError("a join starts a node by index; rank targets are for kill/term/stop")
+        target = self.node if self.node is not None else self.rank
+        if target is not None and target < 0:
+            raise ConfigError(f"chaos node/rank of {self} must be >= 0")
         if (self.at_seconds is None) == (self.at_step is None):
             raise ConfigError("a chaos event needs exactly one of at_seconds or at_step")
         if self.at_seconds is not None and self.at_seconds < 0:
@@ -54,7 +66,8 @@ class ChaosEvent:
 
     def __str__(self) -> str:
         when = f"{self.at_seconds:g}s" if self.at_seconds is not None else f"step{self.at_step}"
-        return f"{self.kind}:{self.node}@{when}"
+        target = self.node if self.node is not None else f"rank{self.rank}"
+        return f"{self.kind}:{target}@{when}"
 
     def is_due(self, *, elapsed: float, step: int) -> bool:
         if self.at_seconds is not None:
@@ -74,9 +87,13 @@ def parse_event(token: str) -> ChaosEvent:
     seconds, step = _SECONDS.match(when), _STEP.match(when)
     if seconds is None and step is None:
         raise ConfigError(f"chaos event {token!r} has a bad time {when!r}; {_FORMS}")
+    target = match["target"]
+    if kind == "join" and target.startswith("rank"):
+        raise ConfigError(f"chaos event {token!r}: a join needs a node index; {_FORMS}")
     return ChaosEvent(
         kind=kind,  # type: ignore[arg-type]  # checked against KINDS above
-        node=int(match["node"]),
+        node=None if target.startswith("rank") else int(target),
+        rank=int(target.removeprefix("rank")) if target.startswith("rank") else None,
         at_seconds=float(seconds["value"]) if seconds else None,
         at_step=int(step["value"]) if step else None,
     )
@@ -97,6 +114,8 @@ def validate_schedule(events: Iterable[ChaosEvent], *, nodes: int) -> None:
     events = tuple(events)
     joined = {event.node for event in events if event.kind == "join"}
     for event in events:
+        if event.node is None:
+            continue  # a rank target names whichever node runs that rank
         if event.kind != "join" and event.node >= nodes and event.node not in joined:
             raise ConfigError(
                 f"chaos event {str(event)!r} targets node {event.node}, but only nodes "
@@ -106,7 +125,8 @@ def validate_schedule(events: Iterable[ChaosEvent], *, nodes: int) -> None:
 
 def node_count(events: Iterable[ChaosEvent], *, nodes: int) -> int:
     """How many distinct nodes the run can have: the initial ones plus new joiners."""
-    return len(set(range(nodes)) | {event.node for event in events if event.kind == "join"})
+    joined = {event.node for event in events if event.kind == "join" and event.node is not None}
+    return len(set(range(nodes)) | joined)
 
 
 @dataclass(frozen=True)
@@ -141,6 +161,16 @@ class Recovery:
             "restored_step": self.restored_step,
             "restore_source": self.restore_source,
         }
+
+
+def node_of_rank(log: AuditLog, rank: int) -> int | None:
+    """The index of the node whose worker last recorded global ``rank`` (None: none yet)."""
+    records = [r for r in (*log.resumes, *log.steps) if r.rank == rank]
+    if not records:
+        return None
+    name = max(records, key=lambda r: r.time).node
+    index = name.removeprefix("node")
+    return int(index) if index.isdigit() else None
 
 
 def recovery_after(log: AuditLog, *, kind: ChaosKind, node: int, event_time: float) -> Recovery:

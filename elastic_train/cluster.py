@@ -285,6 +285,8 @@ class LocalCluster:
         Retried: a stop while the node has no worker, a join while the
         node's terminated agent is still shutting down.
         """
+        if event.node is None:
+            raise ClusterError(f"chaos event {event} must be resolved to a node index first")
         node = self.nodes.get(event.node)
         running = node is not None and node.alive
         if event.kind == "join":

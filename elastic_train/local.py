@@ -23,7 +23,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from elastic_train.audit import (
     audit_exactly_once,
     read_result,
 )
-from elastic_train.chaos import ChaosEvent, Recovery, parse_schedule, recovery_after
+from elastic_train.chaos import ChaosEvent, Recovery, node_of_rank, parse_schedule, recovery_after
 from elastic_train.cluster import ClusterSpec, LocalCluster, Node
 from elastic_train.log import get_logger
 from elastic_train.progress import ProgressBoard
@@ -67,6 +67,8 @@ class Delivery:
     """A chaos event as carried out: wall ``time``, seconds since start, outcome."""
 
     event: ChaosEvent
+    #: the node it hit (a rank target resolved), None if it was never due
+    node: int | None
     time: float
     elapsed: float
     outcome: str
@@ -78,6 +80,7 @@ class Delivery:
     def to_json(self) -> dict[str, object]:
         return {
             "event": str(self.event),
+            "node": self.node,
             "time": self.time,
             "elapsed": self.elapsed,
             "outcome": self.outcome,
@@ -193,7 +196,9 @@ class _Supervisor:
             self.draw()
             time.sleep(POLL_INTERVAL_S)
         for event in self.pending:
-            self.deliveries.append(Delivery(event, time.time(), self.elapsed, "not reached"))
+            self.deliveries.append(
+                Delivery(event, event.node, time.time(), self.elapsed, "not reached")
+            )
         return None
 
     def _since_finish(self) -> float:
@@ -211,12 +216,17 @@ class _Supervisor:
             return  # the job is done: faults and joins could only disturb the shutdown
         elapsed = self.elapsed
         for event in [e for e in self.pending if e.is_due(elapsed=elapsed, step=self.board.step)]:
+            node = event.node
+            if node is None:
+                node = node_of_rank(self.tail.log, event.rank)  # type: ignore[arg-type]
+                if node is None:
+                    continue  # no worker has recorded that rank yet
             now = time.time()
-            outcome = self.cluster.deliver(event)
+            outcome = self.cluster.deliver(replace(event, node=node, rank=None))
             if outcome is None:
                 continue
             self.pending.remove(event)
-            self.deliveries.append(Delivery(event, now, elapsed, outcome))
+            self.deliveries.append(Delivery(event, node, now, elapsed, outcome))
             log.info("chaos_event", chaos=str(event), outcome=outcome, elapsed=round(elapsed, 2))
 
     def draw(self, *, final: bool = False) -> None:
@@ -250,7 +260,7 @@ def summarize(
     else:
         verdict = audit_exactly_once(audit, dataset_len=int(dataset_len))
     recoveries = [
-        recovery_after(audit, kind=d.event.kind, node=d.event.node, event_time=d.time)
+        recovery_after(audit, kind=d.event.kind, node=d.node, event_time=d.time)  # type: ignore[arg-type]
         for d in deliveries
         if d.delivered
     ]

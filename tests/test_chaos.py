@@ -11,6 +11,7 @@ from elastic_train.audit import AuditLog
 from elastic_train.chaos import (
     ChaosEvent,
     node_count,
+    node_of_rank,
     parse_schedule,
     recovery_after,
     validate_schedule,
@@ -45,6 +46,8 @@ def test_parses_every_kind_and_both_time_forms() -> None:
         ("kill:1@20m", "kill:1@20m", "bad time '20m'"),
         ("kill:1@step", "kill:1@step", "bad time 'step'"),
         ("kill:-1@2s", "kill:-1@2s", "malformed"),
+        ("join:rank0@2s", "join:rank0@2s", "a join needs a node index"),
+        ("kill:rank@2s", "kill:rank@2s", "malformed"),
     ],
 )
 def test_bad_tokens_are_named_with_the_accepted_forms(
@@ -55,6 +58,23 @@ def test_bad_tokens_are_named_with_the_accepted_forms(
     message = str(info.value)
     assert repr(token) in message and problem in message
     assert "kill:1@20s" in message and "stepN" in message and "kill, join, term, stop" in message
+
+
+def test_a_rank_target_names_whichever_node_runs_that_rank(tmp_path: Path) -> None:
+    (event,) = parse_schedule("kill:rank0@step10")
+    assert event == ChaosEvent("kill", None, at_step=10, rank=0)
+    assert str(event) == "kill:rank0@step10"
+    validate_schedule([event], nodes=1)  # no node index to check
+    sim = SimRun(tmp_path)
+    assert node_of_rank(AuditLog.load(tmp_path), 0) is None  # nobody trains yet
+    sim.attempt(world_size=3, restored=0, last=2)
+    (tmp_path / "worker-node2-99.jsonl").write_text(
+        '{"kind": "resume", "attempt": "b", "restored_step": 2, "source": "disk", '
+        '"world_size": 2, "rank": 0, "node": "node2", "time": 5000.0}\n'
+    )
+    # The latest record of rank 0 wins: rank 0 moved to node2 in the new round.
+    assert node_of_rank(AuditLog.load(tmp_path), 0) == 2
+    assert node_of_rank(AuditLog.load(tmp_path), 1) == 1
 
 
 def test_empty_events_and_step_zero_are_refused() -> None:
