@@ -12,7 +12,7 @@ Layout of the per-run directory (mode 0700)::
         slot-0, slot-1   double buffer, preallocated and memory-mapped
         HEAD             {"slot": 0|1, "step": N}, replaced atomically by rename
 
-A slot is ``[4 KiB header][skeleton][tensor bytes]``. The skeleton is JSON of
+A slot is ``[4 KiB header][tensor bytes][skeleton]``. The skeleton is JSON of
 the state with each tensor replaced by a reference into the tensor bytes, so a
 snapshot costs one memcpy per tensor rather than a full serialization, and
 reading one back never unpickles anything. A save erases the header of the
@@ -58,7 +58,9 @@ __all__ = [
 log = get_logger(__name__)
 
 HEADER_BYTES = 4096
-MAGIC = b"ETSNAP2\n"
+_ZEROS = bytes(HEADER_BYTES)
+_GRANULE = 1 << 16  # slot files grow in 64 KiB steps
+MAGIC = b"ETSNAP3\n"
 ALGORITHM = "crc32"  # detects torn writes; tmpfs has no bit rot to guard against
 _ALIGN = 64
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -81,7 +83,7 @@ class _Flat(NamedTuple):
     blob: bytes  # JSON of the skeleton and the tensor table
     tensors: list[torch.Tensor]
     table: list[list[Any]]  # [dtype, shape, offset into the tensor bytes, nbytes]
-    size: int  # of the whole slot file
+    data_bytes: int  # the tensor bytes, aligned; the blob follows them
 
 
 def _encode(state: Any, tensors: list[torch.Tensor]) -> Any:
@@ -165,7 +167,7 @@ def _flatten(state: dict) -> _Flat:
         table.append([dtype, list(tensor.shape), offset, nbytes])
         offset = _aligned(offset + nbytes)
     blob = json.dumps({"skeleton": skeleton, "table": table}).encode()
-    return _Flat(blob, tensors, table, HEADER_BYTES + _aligned(len(blob)) + offset)
+    return _Flat(blob, tensors, table, offset)
 
 
 def _file_size(path: Path) -> int:
@@ -175,9 +177,25 @@ def _file_size(path: Path) -> int:
         return 0
 
 
-class _Mapping(NamedTuple):
+@dataclass
+class _Mapping:
     mm: mmap.mmap
     region: torch.Tensor  # uint8 view of the whole mapping
+    layout: list[list[Any]] | None = None  # the table ``targets`` were made for
+    targets: list[torch.Tensor] | None = None  # typed views, one per tensor of the layout
+
+    def targets_for(self, table: list[list[Any]]) -> list[torch.Tensor]:
+        # The layout is the same from one step to the next, so the views are
+        # built once and each save is one copy_ per tensor.
+        if self.layout != table or self.targets is None:
+            self.targets = [
+                self.region[HEADER_BYTES + offset : HEADER_BYTES + offset + nbytes]
+                .view(_dtype(dtype))
+                .view(shape)
+                for dtype, shape, offset, nbytes in table
+            ]
+            self.layout = table
+        return self.targets
 
 
 class SnapshotStore:
@@ -248,16 +266,18 @@ class SnapshotStore:
             self._head = self._read_head()
         current = self._head
         slot = 1 - current[0] if current else 0
-        self._check_fits(flat.size, active=current[0] if current else None)
+        blob_start = HEADER_BYTES + flat.data_bytes
+        end = blob_start + len(flat.blob)
         try:
-            mapping = self._map_slot(slot, flat.size)
-            data_start = HEADER_BYTES + _aligned(len(flat.blob))
-            mapping.mm[HEADER_BYTES : HEADER_BYTES + len(flat.blob)] = flat.blob
-            for tensor, (_, _, offset, nbytes) in zip(flat.tensors, flat.table, strict=True):
-                target = mapping.region[data_start + offset : data_start + offset + nbytes]
-                target.copy_(tensor.detach().reshape(-1).view(torch.uint8))
-            digest = checksum(memoryview(mapping.mm)[HEADER_BYTES:], ALGORITHM)
-            mapping.mm[:HEADER_BYTES] = self._header(step, len(flat.blob), flat.size, digest)
+            mapping = self._slot_for_write(slot, end, active=current[0] if current else None)
+            with torch.no_grad():
+                for target, tensor in zip(
+                    mapping.targets_for(flat.table), flat.tensors, strict=True
+                ):
+                    target.copy_(tensor)
+            mapping.mm[blob_start:end] = flat.blob
+            digest = checksum(memoryview(mapping.mm)[HEADER_BYTES:end], ALGORITHM)
+            mapping.mm[:HEADER_BYTES] = self._header(step, flat, digest)
             self._flip_head(slot, step)
         except OSError as exc:
             log.error("snapshot_write_failed", step=step, error=str(exc), errno=exc.errno)
@@ -265,7 +285,7 @@ class SnapshotStore:
                 f"writing the snapshot of step {step} to {self.directory} failed: {exc}; "
                 "the previous snapshot is intact"
             ) from exc
-        self.last_stats = SnapshotStats(step, time.perf_counter() - start, flat.size)
+        self.last_stats = SnapshotStats(step, time.perf_counter() - start, end)
 
     def _check_fits(self, size: int, *, active: int | None) -> None:
         active_size = _file_size(self._slot_path(active)) if active is not None else 0
@@ -283,15 +303,24 @@ class SnapshotStore:
                 "/dev/shm (Kubernetes: an emptyDir with medium: Memory) or turn snapshots off"
             )
 
+    def _slot_for_write(self, slot: int, needed: int, *, active: int | None) -> _Mapping:
+        """The slot's mapping with its header erased (from here on the slot is invalid)."""
+        cached = self._maps.get(slot)
+        if cached is not None and len(cached.mm) >= needed:
+            # The steady state: pages already allocated, nothing to ask the kernel.
+            cached.mm[:HEADER_BYTES] = _ZEROS
+            return cached
+        # Slack for a skeleton that grows a little (longer numbers) from step to step.
+        size = -(-(needed + needed // 16) // _GRANULE) * _GRANULE
+        self._check_fits(size, active=active)
+        return self._map_slot(slot, size)
+
     def _map_slot(self, slot: int, size: int) -> _Mapping:
-        """The slot's mapping, with its header erased first and its pages allocated."""
+        """A fresh mapping of the slot, header erased first, every page allocated."""
         fd = os.open(self._slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if _file_size(self._slot_path(slot)) >= HEADER_BYTES:
-                os.pwrite(fd, bytes(HEADER_BYTES), 0)  # from here on the slot is invalid
-            cached = self._maps.get(slot)
-            if cached is not None and len(cached.mm) == size:
-                return cached
+                os.pwrite(fd, _ZEROS, 0)
             self._unmap(slot)
             os.ftruncate(fd, size)
             # Allocate every page now: touching an unallocated tmpfs page when
@@ -310,11 +339,11 @@ class SnapshotStore:
             del mapping  # the tensor view must go before the mapping can close
             mm.close()
 
-    def _header(self, step: int, blob_bytes: int, size: int, digest: str) -> bytes:
+    def _header(self, step: int, flat: _Flat, digest: str) -> bytes:
         fields = {
             "step": step,
-            "blob_bytes": blob_bytes,
-            "bytes": size,
+            "data_bytes": flat.data_bytes,
+            "blob_bytes": len(flat.blob),
             ALGORITHM: digest,
             "fingerprint": self.fingerprint,
         }
@@ -325,7 +354,11 @@ class SnapshotStore:
 
     def _flip_head(self, slot: int, step: int) -> None:
         partial = self.directory / "HEAD.tmp"
-        partial.write_text(json.dumps({"slot": slot, "step": step}))
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps({"slot": slot, "step": step}).encode())
+        finally:
+            os.close(fd)
         os.replace(partial, self.directory / "HEAD")
         self._head = (slot, step)
 
@@ -356,10 +389,11 @@ class SnapshotStore:
             raise SnapshotError(f"{path}: no header (torn or never completed)")
         try:
             header = json.loads(bytes(raw[len(MAGIC) : HEADER_BYTES]))
-            size, digest = header["bytes"], header[ALGORITHM]
+            end = HEADER_BYTES + header["data_bytes"] + header["blob_bytes"]
+            digest = header[ALGORITHM]
         except (ValueError, KeyError, TypeError) as exc:
             raise SnapshotError(f"{path}: unreadable header ({exc})") from exc
-        if len(raw) != size or checksum(memoryview(raw)[HEADER_BYTES:], ALGORITHM) != digest:
+        if len(raw) < end or checksum(memoryview(raw)[HEADER_BYTES:end], ALGORITHM) != digest:
             raise SnapshotError(f"{path}: data does not match its header (torn write)")
         if header.get("fingerprint") != self.fingerprint:
             raise SnapshotError(
@@ -392,11 +426,10 @@ class SnapshotStore:
         if found is None:
             return None
         header, raw = found
-        step, blob_end = header["step"], HEADER_BYTES + header["blob_bytes"]
+        step, blob_start = header["step"], HEADER_BYTES + header["data_bytes"]
         try:
-            document = json.loads(raw[HEADER_BYTES:blob_end])
-            data = torch.frombuffer(raw, dtype=torch.uint8)
-            data = data[HEADER_BYTES + _aligned(header["blob_bytes"]) :]
+            document = json.loads(raw[blob_start : blob_start + header["blob_bytes"]])
+            data = torch.frombuffer(raw, dtype=torch.uint8)[HEADER_BYTES:]
             tensors = [
                 data[offset : offset + nbytes].view(_dtype(dtype)).view(shape).to(map_location)
                 for dtype, shape, offset, nbytes in document["table"]
