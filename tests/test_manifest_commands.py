@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -100,12 +101,7 @@ def _result(audit_dir: Path) -> dict:
 
 
 def _world_sizes(audit_dir: Path) -> set[int]:
-    records = (
-        json.loads(line)
-        for path in audit_dir.glob("worker-*.jsonl")
-        for line in path.read_text().splitlines()
-    )
-    return {r["world_size"] for r in records if r.get("kind") == "step"}
+    return {r["world_size"] for r in _records(audit_dir, "step")}
 
 
 @pytest.mark.slow
@@ -227,39 +223,88 @@ def test_slurm_signal_is_the_trainers_preemption_signal() -> None:
     assert "no-kill" in options, "a lost node must shrink the job, not end it"
 
 
-@pytest.mark.slow
-def test_slurm_script_trains_on_two_local_nodes(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
-) -> None:
+def _slurm_env(tmp_path: Path, *, job_id: str, checkpoints: Path) -> dict[str, str]:
+    """What sbatch would hand the script on a 2-node allocation; srun is the stand-in."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
-    audit, checkpoints = tmp_path / "audit", tmp_path / "checkpoints"
+    path = [str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]]
     env = {
-        **os.environ,
-        "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]]),  # noqa: E501
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "elastic-train", "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_SUBMIT_DIR": str(REPO_ROOT), "FAKE_SRUN_OPTIONS": str(tmp_path / "srun-options"),
+        **os.environ, "PATH": os.pathsep.join(path),
+        "SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "elastic-train", "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_SUBMIT_DIR": str(REPO_ROOT), "FAKE_SRUN_OPTIONS": str(tmp_path / f"srun-{job_id}"),
         # No etcd endpoint given: the script starts etcd on the first node.
         "ETCD_PORT": str(free_port()), "ELASTIC_TRAIN_CHECKPOINT_DIR": str(checkpoints),
         # Two "nodes" share this machine's network: let each pick a free port.
         "ELASTIC_TRAIN_METRICS_PORT": "0",
     }  # fmt: skip
     env.pop("ELASTIC_TRAIN_ETCD_ENDPOINT", None)
-    log = tmp_path / "job.log"
+    return env
+
+
+def _records(audit_dir: Path, kind: str) -> list[dict]:
+    lines = (line for p in audit_dir.glob("worker-*.jsonl") for line in p.read_text().splitlines())
+    records = (json.loads(line) for line in lines if line.strip())
+    return [r for r in records if r.get("kind") == kind]
+
+
+def _steps_done(audit_dir: Path) -> int:
+    return max((r["step"] for r in _records(audit_dir, "step")), default=0)
+
+
+def _signal_step(root: psutil.Process, sig: int) -> int:
+    """Signal every process of the "job step" but srun and etcd, as slurmstepd does."""
+    hit = 0
+    for proc in proctree.descendants(root):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cmdline = proc.cmdline()
+            if Path(cmdline[0]).name in ("bash", "sh"):  # the batch script, srun
+                continue
+            if any(arg.endswith(("torchrun", "elastic_train/main.py")) for arg in cmdline):
+                proc.send_signal(sig)
+                hit += 1
+    return hit
+
+
+@pytest.mark.slow
+def test_slurm_script_preempts_on_usr1_and_a_resubmission_finishes(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    audit, checkpoints = tmp_path / "audit", tmp_path / "checkpoints"
     argv = ["bash", str(SBATCH), *TINY, f"--logging.audit_dir={audit}"]
-    processes.append(_start(argv, env=env, cwd=REPO_ROOT, log=log))
-    _wait_all(processes, [log])
-    assert processes[0].returncode == 0, log.read_text()[-3000:]
-    assert _result(audit)["final_step"] == STEPS
-    assert 2 in _world_sizes(audit), "the two nodes never trained in one world"
-    assert sorted(checkpoints.glob("step-*"))
-    options = (tmp_path / "srun-options").read_text().split()
-    assert options == ["--ntasks-per-node=1", "--kill-on-bad-exit=0"]
+    first = _slurm_env(tmp_path, job_id="4242", checkpoints=checkpoints)
+    log = tmp_path / "job-4242.log"
+    processes.append(_start(argv, env=first, cwd=REPO_ROOT, log=log))
+    deadline = time.monotonic() + DEADLINE_S
+    while _steps_done(audit) < 5:
+        assert processes[0].poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no training step within the deadline"
+        time.sleep(0.1)
+    # --signal=USR1@90: the time limit is near.
+    assert _signal_step(psutil.Process(processes[0].pid), signal.SIGUSR1) >= 4
+    _wait_all(processes[:1], [log])
+    stopped = _steps_done(audit)
+    assert stopped < STEPS, "the job should have stopped early"
+    assert sorted(checkpoints.glob("step-*"))[-1].name.endswith(f"{stopped:09d}"), (
+        "the preemption checkpoint holds the last completed step"
+    )
+    assert (tmp_path / "srun-4242").read_text().split() == [
+        "--ntasks-per-node=1", "--kill-on-bad-exit=0",
+    ]  # fmt: skip
     # The script's etcd is gone with the job.
     with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", int(env["ETCD_PORT"])), timeout=1).close()
+        socket.create_connection(("127.0.0.1", int(first["ETCD_PORT"])), timeout=1).close()
+
+    second = _slurm_env(tmp_path, job_id="4243", checkpoints=checkpoints)
+    log = tmp_path / "job-4243.log"
+    processes.append(_start(argv, env=second, cwd=REPO_ROOT, log=log))
+    _wait_all(processes[1:], [log])
+    assert processes[1].returncode == 0, log.read_text()[-3000:]
+    assert _result(audit)["final_step"] == STEPS
+    assert 2 in _world_sizes(audit), "the two nodes never trained in one world"
+    resumed = _records(audit, "resume")
+    assert max(r["restored_step"] for r in resumed) == stopped, "no step was lost"
 
 
 def _rdzv_parameters(argv: list[str]) -> RendezvousParameters:
