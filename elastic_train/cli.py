@@ -57,12 +57,31 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--rdzv-backend", default="etcd", help="torchrun --rdzv-backend (default etcd)")
     p.add_argument("--rdzv-conf", default="", help="torchrun --rdzv-conf (default: the backend's)")
     p.add_argument(
-        "--metrics-port", type=int, default=9402,
-        help="node i serves Prometheus metrics on PORT + i (default 9402); 0: free ports",
-    )  # fmt: skip
+        "--metrics-port",
+        type=_metrics_port,
+        default=DEFAULT_METRICS_PORT,
+        help=f"node i serves metrics on 127.0.0.1:PORT+i (default {DEFAULT_METRICS_PORT}, as "
+        "deploy/prometheus expects); 0 picks free ports, 'off' serves none",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     p.add_argument("--quiet", action="store_true", help="no live progress")
     p.set_defaults(handler=_run_local)
+
+
+#: node_agent's default port; node i of a local cluster gets this + i
+DEFAULT_METRICS_PORT = 9402
+
+
+def _metrics_port(text: str) -> int | None:
+    if text.strip().lower() == "off":
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected 0-65535 or 'off', got {text!r}")
+    return port
 
 
 def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
@@ -80,8 +99,8 @@ def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
         script_args=tuple(trainer_args),
         rdzv_backend=args.rdzv_backend,
         rdzv_conf=args.rdzv_conf,
-        timeout_s=args.timeout,
         metrics_port=args.metrics_port,
+        timeout_s=args.timeout,
     )
     progress = None if args.quiet else ProgressPrinter()
     summary = run_local(spec, run_dir=args.run_dir, progress=progress)

@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -168,6 +169,7 @@ class LocalCluster:
 
     def start(self) -> None:
         self._check_trainer_args()
+        self._check_metrics_ports()
         for sub in ("audit", "checkpoints", "logs"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         if not self.endpoint:
@@ -186,6 +188,16 @@ class LocalCluster:
         from elastic_train.config import parse_cli
 
         parse_cli(self.command()[self.command().index(self.spec.script) + 1 :])
+
+    def _check_metrics_ports(self) -> None:
+        """A taken port would crash that node's agent at its first rendezvous."""
+        for index in range(self.spec.node_count):
+            port = self.metrics_port(index)
+            if port and not port_is_free(port):
+                raise ConfigError(
+                    f"metrics_port: port {port} of node{index} is in use; choose another "
+                    "base port, 0 for free ports, or off"
+                )
 
     def _start_rendezvous_server(self) -> str:
         if self.spec.rdzv_backend == "c10d":
@@ -232,7 +244,8 @@ class LocalCluster:
             raise ClusterError(f"node{index} is already running")
         env = {**os.environ, **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
         env |= {"ELASTIC_TRAIN_NODE": f"node{index}", RUN_MARKER_ENV: self.run_id}
-        env["ELASTIC_TRAIN_METRICS_PORT"] = str(self.metrics_port(index) or "off")
+        env_port = self.metrics_port(index)
+        env["ELASTIC_TRAIN_METRICS_PORT"] = str(env_port or "off")
         env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")
         with open(self.run_dir / "logs" / f"node{index}.log", "ab") as out:
             proc = subprocess.Popen(
@@ -246,7 +259,7 @@ class LocalCluster:
         node = self.nodes[index] = Node(index=index, proc=proc)
         self.incarnations.append(node)
         self._remember([psutil.Process(proc.pid)])
-        log.info("local_node_started", node=node.name, pid=proc.pid)
+        log.info("local_node_started", node=node.name, pid=proc.pid, metrics_port=env_port)
         return node
 
     def metrics_port(self, index: int) -> int | None:
@@ -359,6 +372,15 @@ class LocalCluster:
 
     def _own(self) -> frozenset[int]:
         return frozenset(node.proc.pid for node in self.incarnations)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,17 +30,37 @@ def _no_run_started(run_dir: Path) -> bool:
         (["--training.stepz=5"], "training.stepz"),
         (["--training.steps=-1"], "training.steps"),
         (["--nodez", "3"], "'--nodez'"),
+        (["--metrics-port", "99999"], "expected 0-65535 or 'off'"),
     ],
 )
 def test_bad_arguments_fail_before_anything_starts(
     args: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    code = main(["local", "--run-dir", str(tmp_path), "--quiet", *args])
+    try:
+        code = main(["local", "--run-dir", str(tmp_path), "--quiet", *args])
+    except SystemExit as exc:  # argparse's own errors
+        code = int(exc.code or 0)
     assert code == EXIT_USAGE
     assert named in capsys.readouterr().err
     assert _no_run_started(tmp_path)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_a_metrics_port_in_use_is_named_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # Node 1 of a base port one below would get the taken port.
+        code = main(
+            ["local", "--quiet", "--run-dir", str(tmp_path), "--metrics-port", str(port - 1)]
+        )
+    assert code == EXIT_USAGE
+    assert f"port {port} of node1 is in use" in capsys.readouterr().err
+    assert _no_run_started(tmp_path)
 
 
 def test_the_chaos_error_lists_the_accepted_forms(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,6 +90,7 @@ def _run_processes(runner: psutil.Process, run_dir: Path) -> list[psutil.Process
 def test_ctrl_c_stops_every_process_of_the_run(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2", "--quiet",
+        "--metrics-port", "0",
         "--run-dir", str(tmp_path), "--model.name=mlp", "--data.name=synthetic",
         "--training.steps=100000",
     ]  # fmt: skip

@@ -45,7 +45,8 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "3", "--min-nodes", "2",
         "--chaos", "kill:1@step6,join:1@step10", "--json", str(summary_path),
-        "--run-dir", str(run_dir), "--quiet", "--timeout", "240", *TRAINER_ARGS, *PACED,
+        "--run-dir", str(run_dir), "--quiet", "--timeout", "240", "--metrics-port", "0",
+        *TRAINER_ARGS, *PACED,
     ]  # fmt: skip
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
     assert summary_path.is_file(), proc.stderr[-3000:]
