@@ -247,6 +247,7 @@ class LocalCluster:
         env_port = self.metrics_port(index)
         env["ELASTIC_TRAIN_METRICS_PORT"] = str(env_port or "off")
         env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")
+        env.setdefault("ELASTIC_TRAIN_METRICS_DIR", str(self.run_dir / "metrics"))  # not /tmp
         with open(self.run_dir / "logs" / f"node{index}.log", "ab") as out:
             proc = subprocess.Popen(
                 self.command(),

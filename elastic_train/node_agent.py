@@ -139,6 +139,8 @@ class MetricsEndpoint:
 
     def __init__(self, *, host: str, port: int, parent_dir: Path | None, run_id: str) -> None:
         safe_run_id = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64]
+        if parent_dir is not None:
+            parent_dir.mkdir(parents=True, exist_ok=True)
         self.directory = Path(
             tempfile.mkdtemp(prefix=f"elastic-train-metrics-{safe_run_id}-", dir=parent_dir)
         )
