@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import psutil
@@ -349,3 +350,43 @@ def test_the_rendezvous_backend_accepts_the_manifests_rdzv_options(
         assert config.client.protocol == "https"
         assert Path(config.client.cert).read_text() == secrets["etcd-client-tls"]["client.crt"]
         assert (config.client.username, config.client.password) == ("elastic-train", PASSWORD)
+
+
+def _operator_env(job: dict) -> dict[str, str]:
+    """The PET_* variables the Kubeflow training operator gives an elastic
+    PyTorchJob's pods (pkg/controller.v1/pytorch/elastic.go)."""
+    policy = job["spec"]["elasticPolicy"]
+    env = {
+        "PET_RDZV_ENDPOINT": f"{policy['rdzvHost']}:{policy['rdzvPort']}",
+        "PET_RDZV_BACKEND": policy["rdzvBackend"],
+        "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+        "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
+        "PET_RDZV_CONF": ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"]),
+    }
+    if "rdzvId" in policy:
+        env["PET_RDZV_ID"] = policy["rdzvId"]
+    return env
+
+
+def test_the_pytorchjob_command_reaches_the_etcd_v3_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objs = render("kubeflow")
+    job = find(objs, "PyTorchJob", "elastic-train")
+    (worker,) = job["spec"]["pytorchReplicaSpecs"].values()
+    pod_spec = worker["template"]["spec"]
+    pod = PodIdentity(name="elastic-train-worker-0", namespace="elastic-train", index=0, job_uid="")
+    trainer = local_process(
+        objs, pod_spec, container(pod_spec, "trainer"), pod=pod, root=tmp_path,
+        substitutions={},
+    )  # fmt: skip
+    for name, value in {**_operator_env(job), **trainer.env}.items():
+        monkeypatch.setenv(name, value)  # torchrun reads PET_* as its flags' defaults
+    params = _rdzv_parameters(trainer.argv)
+    assert params.backend == "etcd-v3"
+    assert {e.name for e in entry_points(group="torchrun.handlers")} >= {"etcd-v3"}
+    assert (params.min_nodes, params.max_nodes) == (1, worker["replicas"])
+    # Without an explicit id every job would share torchrun's default "none".
+    assert params.run_id == job["spec"]["elasticPolicy"]["rdzvId"] != "none"
+    assert parse_config(params).key_prefix == "/elastic-train"
+    assert trainer.env["ELASTIC_TRAIN_METRICS_PORT"] == "9400"
