@@ -55,6 +55,14 @@ class LoopGuards:
             self.watchdog.step_done(step)
         return self.preemption.poll(step)
 
+    def settle(self, reason: StopReason) -> StopReason:
+        """The reason to exit with, once the stop step is saved: a signal that
+        reached this worker after the all-reduce (the agent signals its workers
+        one by one) makes it a preempted worker too, which exits 0."""
+        if reason is StopReason.PEER_PREEMPTED and self.preemption.received is not None:
+            return StopReason.PREEMPTED
+        return reason
+
     @contextlib.contextmanager
     def long_operation(self, name: str) -> Iterator[None]:
         """A save or an evaluation: bounded by the startup limit, not the step limit."""

@@ -407,6 +407,7 @@ def train(t: Trainer) -> TrainResult:
             save_checkpoint(t, reason=stopped.value, blocking=True)
             if t.checkpoint is not None:
                 t.checkpoint.flush()  # the step may have been saved asynchronously just now
+            stopped = t.guards.settle(stopped)
             return TrainResult(t.step, t.sampler.epoch, None, stopped=stopped.value)
     save_checkpoint(t, reason="final", blocking=True)
     if t.cfg.eval.at_end:

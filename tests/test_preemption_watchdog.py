@@ -8,16 +8,19 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from elastic_train.audit import AuditTail
 from elastic_train.errors import EXIT_HANG, ConfigError
 from elastic_train.etcd_server import free_port
 from elastic_train.preemption import PreemptionHandler, StopReason, parse_signal
 from elastic_train.watchdog import Watchdog
 
 SCRIPT = str(Path(__file__).with_name("fault_procs.py"))
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -142,3 +145,62 @@ def test_watchdog_kills_a_hung_process_with_stacks() -> None:
     # faulthandler's dump names the function the main thread is stuck in.
     assert "stuck_here" in err and "Thread" in err
     assert hanging["step"] > 10
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_standalone_saves_the_step_within_the_grace_period(
+    tmp_path: Path,
+) -> None:
+    """The whole preemption path, measured: SIGTERM to the agent -> workers finish
+    their step, save it synchronously, exit -> the agent exits. torchrun SIGKILLs
+    its workers 30 s after forwarding SIGTERM, so the path must take less."""
+    checkpoints, audit = tmp_path / "ckpt", tmp_path / "audit"
+    job = [
+        "--model.name=chaos_model:slow_mlp", "--model.options.pause_s=0.05",
+        "--model.hidden_size=128", "--data.name=synthetic", "--data.num_features=8",
+        "--data.num_classes=4", "--training.global_batch_size=16", "--training.steps=100000",
+        "--checkpoint.interval_steps=100000",  # the preemption save is the only one
+        f"--checkpoint.dir={checkpoints}", f"--logging.audit_dir={audit}",
+        "--logging.format=json",
+    ]  # fmt: skip
+    log = tmp_path / "torchrun.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    with log.open("wb") as out:
+        agent = subprocess.Popen(
+            [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
+             str(REPO / "elastic_train" / "main.py"), *job],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        tail = AuditTail(audit)
+        deadline = time.monotonic() + 120
+        while not any(getattr(r, "step", 0) >= 5 for r in tail.poll()):
+            assert time.monotonic() < deadline and agent.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        signalled, signalled_wall = time.monotonic(), time.time()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        agent_seconds = time.monotonic() - signalled
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    text = log.read_text()
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    exits = [e for e in events if e.get("event") == "worker_exit_after_preemption"]
+    # 73 when a worker's poll saw only its peer's signal (it arrived a moment later).
+    assert len(exits) == 2 and 0 in {e["exit_code"] for e in exits} <= {0, 73}, text[-3000:]
+    progress = json.loads((checkpoints / "progress.json").read_text())["step"]
+    saved = sorted(
+        int(p.parent.name.split("-")[1]) for p in checkpoints.glob("step-*/MANIFEST.json")
+    )
+    assert saved == [progress]  # the last completed step is on disk: zero steps lost
+    worker_seconds = (
+        max(
+            datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp() for e in exits
+        )
+        - signalled_wall
+    )
+    print(
+        f"SIGTERM -> workers exited: {worker_seconds:.2f}s, -> agent exited: {agent_seconds:.2f}s"
+    )
+    assert agent_seconds < 30
