@@ -51,7 +51,7 @@ class ModelSize:
     batch: int
 
 
-LARGE = ModelSize(width=2048, layers=4, batch=64)
+LARGE = ModelSize(width=2048, layers=4, batch=8)
 #: The MLP of the recovery/throughput workload (32 -> 256 -> 256 -> 8), one rank's batch.
 SMALL = ModelSize(width=256, layers=2, batch=32)
 #: The smoke test's stand-in for LARGE: same code paths, seconds instead of minutes.
@@ -212,8 +212,8 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
-    parser.add_argument("--interval", type=int, default=20, help="steps between saves")
+    parser.add_argument("--steps", type=int, default=120, help="timed steps per run")
+    parser.add_argument("--interval", type=int, default=60, help="steps between saves")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     large, kwargs = LARGE, {"steps": args.steps, "interval": args.interval}

@@ -61,7 +61,7 @@ TARGET_IDLE_RPS = 0.1
 #: torchrun's monitor loop period (``--monitor-interval`` default).
 MONITOR_INTERVAL_S = 0.1
 #: Bounds a hung round; the settings under test are the last-call and keep-alive ones.
-JOIN_TIMEOUT_S = 120
+JOIN_TIMEOUT_S = 60
 
 
 @dataclass
@@ -211,8 +211,7 @@ def measure(comp: Competitor, workdir: Path, *, k: int, idle_s: float) -> dict[s
         handlers = [make_handler(comp, server.endpoint, run_id=f"scale{k}", k=k) for _ in range(k)]
         counts = [count_backend_calls(h) for h in handlers]
         before = totals(counts)
-        round_s, infos = all_at_once([h.next_rendezvous for h in handlers])
-        check_world(infos, k)
+        round_s, _ = join_all(handlers, k)
         after_round = totals(counts)
         with monitors(handlers):
             requests0, calls0, t0 = server.requests(), totals(counts), time.monotonic()
@@ -221,8 +220,7 @@ def measure(comp: Competitor, workdir: Path, *, k: int, idle_s: float) -> dict[s
         window = t1 - t0
         handlers[-1]._stop_heartbeats()  # type: ignore[attr-defined]  # a crash: it goes silent
         survivors = handlers[:-1]
-        rerdzv_s, infos = all_at_once([h.next_rendezvous for h in survivors])
-        check_world(infos, k - 1)
+        rerdzv_s, _ = join_all(survivors, k - 1)
         after_rerdzv = totals(counts)
     finally:
         for handler in handlers:
@@ -246,6 +244,21 @@ def measure(comp: Competitor, workdir: Path, *, k: int, idle_s: float) -> dict[s
         "rerendezvous_state_writes": after_rerdzv[1] - calls1[1],
         "rerendezvous_cas_conflicts": after_rerdzv[2] - calls1[2],
     }
+
+
+def join_all(handlers: list[RendezvousHandler], world_size: int) -> tuple[float, list[Any]]:
+    """All handlers join at once; a failure names the state the round was stuck in."""
+    try:
+        seconds, infos = all_at_once([h.next_rendezvous for h in handlers])
+    except Exception as exc:
+        state = handlers[0]._state_holder.state  # type: ignore[attr-defined]
+        raise RuntimeError(
+            f"{type(exc).__name__} for {len(handlers)} agents: round {state.round}, "
+            f"{len(state.participants)} participants, {len(state.wait_list)} waiting, "
+            f"complete={state.complete}"
+        ) from exc
+    check_world(infos, world_size)
+    return seconds, infos
 
 
 def check_world(infos: list[Any], world_size: int) -> None:

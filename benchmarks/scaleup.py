@@ -25,7 +25,7 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
     args = parser.parse_args(argv)
-    kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60, "timeout": 90.0}
+    kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60, "timeout": 75.0}
     if args.smoke:
         kwargs = {"nodes": 1, "warmup_steps": 5, "timeout": 60.0}
     harness.run_benchmark(
