@@ -168,7 +168,7 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(tmp_path: Pat
     prom_dir.mkdir()
     spec = ClusterSpec(
         nodes=2, min_nodes=1, chaos=parse_schedule("kill:1@step15,join:1@step35"),
-        script_args=TRAINER, metrics_port=base, timeout_s=240,
+        script_args=TRAINER, metrics_port=base, timeout_s=400,
     )  # fmt: skip
     with Prometheus(config, prom_dir, free_port()).running() as prom:
         start = time.time()
