@@ -209,6 +209,7 @@ def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None
     logs = scenario.logs()
     assert '"preemption_stop"' in logs and '"reason": "preempted"' in logs
     assert '"reason": "peer_preempted"' in logs and "worker_exit_after_preemption" in logs
+    assert "rendezvous_etcd_unreachable" in logs  # the agents noticed the outage, and rode it out
 
 
 # -- a hung worker, on a 3-member etcd cluster that loses its leader twice -------------
@@ -259,6 +260,7 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
     logs = scenario.logs()
     assert '"watchdog_hang"' in logs and "Thread" in logs  # the event and the stack dump
     assert f"exitcode: {EXIT_HANG}" in logs
+    assert "etcd_failover" in logs  # the clients moved to another member
 
 
 # -- storage: a full disk, then a corrupt latest checkpoint ---------------------------------

@@ -7,7 +7,6 @@ worker ends the job and a restart starts from the last epoch's torch.save.
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -51,5 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     main()
