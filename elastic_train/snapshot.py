@@ -24,7 +24,6 @@ without a header or whose checksum fails is never used.
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import json
 import mmap
@@ -33,18 +32,16 @@ import re
 import shutil
 import stat
 import time
-from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from elastic_train.errors import SnapshotError
+from elastic_train.errors import CheckpointError, SnapshotError
 from elastic_train.log import get_logger
 from elastic_train.restore import Agreement, agree_on_newest, broadcast_state, decide
-from elastic_train.state_io import checksum
+from elastic_train.state_io import checksum, decode_state, dtype_from_name, encode_state
 
 __all__ = [
     "Agreement",
@@ -86,80 +83,12 @@ class _Flat(NamedTuple):
     data_bytes: int  # the tensor bytes, aligned; the blob follows them
 
 
-def _encode(state: Any, tensors: list[torch.Tensor]) -> Any:
-    """The state as tagged JSON values; tensors become references into ``tensors``.
-
-    JSON, not pickle: the skeleton has hundreds of small values (optimizer
-    param groups, RNG states) that torch.save pickles several times slower,
-    and reading JSON back can never construct an arbitrary object. Every dict
-    is tagged, so a user's dict can never be mistaken for a tag.
-    """
-    memo: dict[int, int] = {}
-
-    def visit(obj: Any, where: str) -> Any:
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in memo:
-                memo[id(obj)] = len(tensors)
-                tensors.append(obj)
-            return {"ref": memo[id(obj)]}
-        if isinstance(obj, Mapping):
-            items = [
-                [visit(k, f"{where} key"), visit(v, f"{where}[{k!r}]")] for k, v in obj.items()
-            ]
-            return {"odict" if isinstance(obj, OrderedDict) else "dict": items}
-        if isinstance(obj, torch.Size):
-            return {"size": list(obj)}
-        if isinstance(obj, (list, tuple)):
-            values = [visit(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-            return values if isinstance(obj, list) else {"tuple": values}
-        if isinstance(obj, torch.dtype):
-            return {"dtype": str(obj).removeprefix("torch.")}
-        if isinstance(obj, torch.device):
-            return {"device": str(obj)}
-        if isinstance(obj, bytes):
-            return {"bytes": base64.b64encode(obj).decode()}
-        raise SnapshotError(
-            f"{where} is a {type(obj).__qualname__}; snapshot state may hold only tensors, "
-            "numbers, strings, bytes, None, dtypes, devices and dicts/lists/tuples of them"
-        )
-
-    return visit(state, "state")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise SnapshotError(f"unknown dtype {name!r} in snapshot")
-    return dtype
-
-
-def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    ((tag, value),) = obj.items()
-    if tag in ("dict", "odict"):
-        items = [(_decode(k, tensors), _decode(v, tensors)) for k, v in value]
-        return OrderedDict(items) if tag == "odict" else dict(items)
-    decoders = {
-        "ref": lambda: tensors[value],
-        "tuple": lambda: tuple(_decode(v, tensors) for v in value),
-        "size": lambda: torch.Size(value),
-        "dtype": lambda: _dtype(value),
-        "device": lambda: torch.device(value),
-        "bytes": lambda: base64.b64decode(value),
-    }
-    if tag not in decoders:
-        raise SnapshotError(f"unknown tag {tag!r} in snapshot")
-    return decoders[tag]()
-
-
 def _flatten(state: dict) -> _Flat:
     tensors: list[torch.Tensor] = []
-    skeleton = _encode(state, tensors)
+    try:
+        skeleton = encode_state(state, tensors)
+    except CheckpointError as exc:
+        raise SnapshotError(str(exc)) from exc
     table, offset = [], 0
     for tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
@@ -190,7 +119,7 @@ class _Mapping:
         if self.layout != table or self.targets is None:
             self.targets = [
                 self.region[HEADER_BYTES + offset : HEADER_BYTES + offset + nbytes]
-                .view(_dtype(dtype))
+                .view(dtype_from_name(dtype))
                 .view(shape)
                 for dtype, shape, offset, nbytes in table
             ]
@@ -431,11 +360,14 @@ class SnapshotStore:
             document = json.loads(raw[blob_start : blob_start + header["blob_bytes"]])
             data = torch.frombuffer(raw, dtype=torch.uint8)[HEADER_BYTES:]
             tensors = [
-                data[offset : offset + nbytes].view(_dtype(dtype)).view(shape).to(map_location)
+                data[offset : offset + nbytes]
+                .view(dtype_from_name(dtype))
+                .view(shape)
+                .to(map_location)
                 for dtype, shape, offset, nbytes in document["table"]
             ]
-            state = _decode(document["skeleton"], tensors)
-        except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+            state = decode_state(document["skeleton"], tensors)
+        except (CheckpointError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
             raise SnapshotError(f"snapshot of step {step} is unreadable: {exc}") from exc
         log.info("snapshot_loaded", step=step, path=str(self.directory))
         return step, state

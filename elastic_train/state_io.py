@@ -1,13 +1,15 @@
-"""Host copies of training state and the small file helpers shared by checkpoints and snapshots.
+"""Training state on its way out of the process, shared by checkpoints and snapshots.
 
-Everything that leaves the training process (a disk checkpoint, a shared-memory
-snapshot) goes through :func:`copy_to_host` first: it decouples the copy from
-the live tensors the next step mutates, and it rejects anything that
-``torch.load(weights_only=True)`` would refuse, naming the key.
+Disk checkpoints take a deep CPU copy (:func:`copy_to_host`), which decouples
+the background write from the live tensors the next step mutates, and write it
+with :func:`save_hashed`. Shared-memory snapshots copy tensors raw and encode
+everything else as tagged JSON (:func:`encode_state`). Both reject anything
+that ``torch.load(weights_only=True)`` would refuse, naming its key.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -130,3 +132,75 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def encode_state(state: Any, tensors: list[torch.Tensor]) -> Any:
+    """The state as tagged JSON values; tensors become references into ``tensors``.
+
+    JSON, not pickle: the skeleton has hundreds of small values (optimizer
+    param groups, RNG states) that torch.save pickles several times slower,
+    and reading JSON back can never construct an arbitrary object. Every dict
+    is tagged, so a user's dict can never be mistaken for a tag.
+    """
+    memo: dict[int, int] = {}
+
+    def visit(obj: Any, where: str) -> Any:
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:
+                memo[id(obj)] = len(tensors)
+                tensors.append(obj)
+            return {"ref": memo[id(obj)]}
+        if isinstance(obj, Mapping):
+            items = [
+                [visit(k, f"{where} key"), visit(v, f"{where}[{k!r}]")] for k, v in obj.items()
+            ]
+            return {"odict" if isinstance(obj, OrderedDict) else "dict": items}
+        if isinstance(obj, torch.Size):
+            return {"size": list(obj)}
+        if isinstance(obj, (list, tuple)):
+            values = [visit(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+            return values if isinstance(obj, list) else {"tuple": values}
+        if isinstance(obj, torch.dtype):
+            return {"dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"device": str(obj)}
+        if isinstance(obj, bytes):
+            return {"bytes": base64.b64encode(obj).decode()}
+        raise CheckpointError(
+            f"{where} is a {type(obj).__qualname__}; state may hold only tensors, "
+            "numbers, strings, bytes, None, dtypes, devices and dicts/lists/tuples of them"
+        )
+
+    return visit(state, "state")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def decode_state(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of :func:`encode_state`, given the tensors the references point to."""
+    if isinstance(obj, list):
+        return [decode_state(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    ((tag, value),) = obj.items()
+    if tag in ("dict", "odict"):
+        items = [(decode_state(k, tensors), decode_state(v, tensors)) for k, v in value]
+        return OrderedDict(items) if tag == "odict" else dict(items)
+    decoders = {
+        "ref": lambda: tensors[value],
+        "tuple": lambda: tuple(decode_state(v, tensors) for v in value),
+        "size": lambda: torch.Size(value),
+        "dtype": lambda: dtype_from_name(value),
+        "device": lambda: torch.device(value),
+        "bytes": lambda: base64.b64decode(value),
+    }
+    if tag not in decoders:
+        raise CheckpointError(f"unknown tag {tag!r} in encoded state")
+    return decoders[tag]()
