@@ -46,8 +46,8 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from benchmarks import harness
 from benchmarks.harness import Competitor
-from elastic_train import rendezvous
 from elastic_train.etcd_server import EtcdServer, free_port
+from elastic_train.rendezvous import create_handler
 
 METRICS = (
     "round_seconds",
@@ -159,7 +159,7 @@ def make_handler(comp: Competitor, endpoint: str, *, run_id: str, k: int) -> Ren
         **conf,
     )
     if comp.ours:
-        return rendezvous.create_handler(params)
+        return create_handler(params)
     return get_rendezvous_handler(params)
 
 
@@ -232,6 +232,7 @@ def measure(comp: Competitor, workdir: Path, *, k: int, idle_s: float) -> dict[s
         idle_requests = (requests1 - requests0) / window / k
     return {
         "agents": k,
+        "handler_settings": settings_of(handlers[0]),
         "round_seconds": round_s,
         "rerendezvous_seconds": rerdzv_s,
         "idle_requests_per_agent_per_s": idle_requests,
@@ -269,21 +270,18 @@ def check_world(infos: list[Any], world_size: int) -> None:
         raise RuntimeError(f"bad round: world sizes {sizes}, ranks {ranks}")
 
 
-def settings_of(comp: Competitor) -> dict[str, Any]:
-    """The handler settings in force (what bounds the round times)."""
-    if comp.ours:
-        defaults = rendezvous.HandlerSettings()
-        base = {
-            "last_call_timeout": defaults.last_call_timeout,
-            "keep_alive_interval": defaults.keep_alive_interval,
-            "keep_alive_max_attempt": defaults.keep_alive_max_attempt,
-        }
-    else:
-        base = {"last_call_timeout": 30, "keep_alive_interval": 5, "keep_alive_max_attempt": 3}
-    base |= {k: int(v) for k, v in (kv.split("=") for kv in comp.rdzv_conf.split(",") if kv)}
-    base["join_loop_poll_seconds"] = 1.0  # torch's hard-coded sleep per SYNC action
-    base["state_cache_seconds"] = 1.0  # torch's cache_duration of num_nodes_waiting
-    return base
+def settings_of(handler: RendezvousHandler) -> dict[str, float]:
+    """The handler settings in force, read off the handler (what bounds the round times)."""
+    settings = handler.settings  # type: ignore[attr-defined]
+    return {
+        "last_call_timeout": settings.timeout.last_call.total_seconds(),
+        "keep_alive_interval": settings.keep_alive_interval.total_seconds(),
+        "keep_alive_max_attempt": settings.keep_alive_max_attempt,
+        # hard-coded in torch's handler: the join loop's sleep per SYNC action and
+        # the state cache of num_nodes_waiting
+        "join_poll_seconds": 1.0,
+        "state_cache_seconds": 1.0,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
