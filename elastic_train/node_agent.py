@@ -214,6 +214,7 @@ class _TimedRendezvous:
             metrics.RDZV_ROUNDS.labels(node),
         )
         self._seconds = metrics.RDZV_SECONDS.labels(node)
+        self._nodes.set(0)  # not in a round yet: a first round that never completes alerts too
 
     def __call__(self) -> RendezvousInfo:
         if self._rounds:
