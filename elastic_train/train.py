@@ -412,7 +412,8 @@ def train(t: Trainer) -> TrainResult:
     save_checkpoint(t, reason="final", blocking=True)
     if t.cfg.eval.at_end:
         run_evaluation(t, reason="end")
-    return finish(t)
+    with t.guards.long_operation("finish"):
+        return finish(t)
 
 
 def run_evaluation(t: Trainer, *, reason: str) -> None:
