@@ -34,7 +34,7 @@ from elastic_train import proctree
 from elastic_train.config import load_config
 from elastic_train.errors import EXIT_CONFIG_ERROR
 from elastic_train.etcd_server import free_port
-from elastic_train.rendezvous import parse_config
+from elastic_train.rendezvous_config import parse_config
 
 STEPS = 40
 TINY = (
