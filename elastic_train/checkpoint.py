@@ -232,15 +232,17 @@ class CheckpointManager:
     def _write(self, step: int, state: Any, metadata: dict, stats: SaveStats) -> None:
         started = time.perf_counter()
         temporary = self.directory / f".tmp-step-{step:09d}-{uuid.uuid4().hex[:8]}"
+        final = self._step_dir(step)
+        replaced: Path | None = None
         try:
             files = self._write_state(temporary, state)
-            final = self._step_dir(step)
             replaced = self._move_aside(final)
             os.rename(temporary, final)
             fsync_dir(self.directory)
             self._write_manifest(final, step, files, metadata)
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(temporary, ignore_errors=True)
+            self._restore_replaced(final, replaced)
             raise self._count_failure(step, exc) from exc
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
@@ -255,7 +257,7 @@ class CheckpointManager:
             path=str(final),
             bytes=stats.bytes,
             seconds=round(stats.write_seconds, 4),
-            blocked_seconds=round(stats.copy_seconds, 4),
+            copy_seconds=round(stats.copy_seconds, 4),
         )
         self._prune(step)
 
@@ -326,6 +328,17 @@ class CheckpointManager:
         aside = self.directory / f".tmp-step-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, aside)
         return aside
+
+    def _restore_replaced(self, final: Path, replaced: Path | None) -> None:
+        """After a failed save, put back the older copy of the same step, if one was moved."""
+        if replaced is None or (final / MANIFEST).exists():
+            return
+        try:
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(replaced, final)
+        except OSError as exc:
+            log.warning("checkpoint_restore_failed", path=str(replaced), error=str(exc))
 
     def _delete(self, path: Path) -> None:
         # Manifest first: an interrupted delete must not leave something complete-looking.
