@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -14,12 +15,14 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic_train.errors import SnapshotError
+from elastic_train.rng import capture_rng_state, restore_rng_state
 from elastic_train.snapshot import HEADER_BYTES, Agreement, SnapshotStore, broadcast_state, decide
 
 FP = "fp-snap"
@@ -74,8 +77,10 @@ def test_every_kind_of_state_round_trips(store: SnapshotStore) -> None:
         "half": torch.randn(5).to(torch.bfloat16),
         "rng": torch.get_rng_state(),
         "meta": {"step": 4, "name": "x", "dtype": torch.float16},
+        "generators": capture_rng_state(),
     }
     store.save(4, state)
+    draws = (torch.rand(3), random.random(), np.random.rand())
     weight = state["model"]["weight"].clone()
     state["model"]["weight"].add_(1.0)  # the next step mutates the live tensors
     step, loaded = store.load(map_location="cpu")
@@ -89,6 +94,9 @@ def test_every_kind_of_state_round_trips(store: SnapshotStore) -> None:
     for key in ("transposed", "scalar", "empty", "mask", "half", "rng"):
         assert loaded[key].dtype == state[key].dtype and torch.equal(loaded[key], state[key])
     assert loaded["meta"] == state["meta"]
+    restore_rng_state(loaded["generators"])
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(draws[0], again[0]) and draws[1:] == again[1:]
     stats = store.last_stats
     assert stats is not None and stats.step == 4 and stats.seconds > 0
 
