@@ -52,10 +52,9 @@ def _setup_logging(cfg: JobConfig, env: WorkerEnv) -> None:
 def run(cfg: JobConfig, env: WorkerEnv) -> int:
     """Train under ``cfg`` as the worker ``env`` describes; returns the exit code."""
     _setup_logging(cfg, env)
-    ctx = init_distributed(env, cfg.elastic)
     trainer: Trainer | None = None
     try:
-        trainer = build(cfg, ctx)
+        trainer = build(cfg, init_distributed(env, cfg.elastic))
         result = train(trainer)
     except (ConfigError, CheckpointMismatchError) as exc:
         log.error("config_error", error=str(exc))

@@ -15,8 +15,9 @@ from torch.multiprocessing import ProcessExitedException
 from trainer_procs import TINY_JOB, final_params, run_workers
 
 from elastic_train.config import from_dict, load_config
+from elastic_train.distributed import WorkerEnv
 from elastic_train.errors import EXIT_CONFIG_ERROR
-from elastic_train.main import main
+from elastic_train.main import main, run
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = REPO / "elastic_train" / "main.py"
@@ -110,3 +111,14 @@ def test_torchrun_standalone_two_workers(tmp_path: Path, single_process_run: Pat
     expected = final_params(single_process_run)
     for name, value in final_params(audit).items():
         torch.testing.assert_close(value, expected[name], atol=2e-6, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL is valid where CUDA is")
+def test_nccl_without_cuda_is_a_config_error() -> None:
+    assert run(load_config(None, ["elastic.backend=nccl"]), WorkerEnv()) == EXIT_CONFIG_ERROR
+
+
+def test_more_workers_than_the_global_batch_exit_with_the_config_error_code() -> None:
+    with pytest.raises(ProcessExitedException) as info:
+        run_workers(3, [*TINY_JOB, "training.global_batch_size=2", "checkpoint.dir="])
+    assert info.value.exit_code == EXIT_CONFIG_ERROR
