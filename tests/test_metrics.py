@@ -196,9 +196,15 @@ def test_agent_endpoint_keeps_counting_across_a_worker_restart(
         (out / "release").touch()
         assert agent.wait(timeout=60) == 0
     finally:
+        # The workers run in their own sessions: let them exit before the agent goes.
+        (out / "release").touch()
         if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+            agent.terminate()  # torchrun stops its workers on SIGTERM
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
     assert not directory.exists(), "the agent removes the directory it created"
     assert (parent / "not-ours.txt").read_text() == "must survive"
 
