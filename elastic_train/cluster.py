@@ -26,6 +26,7 @@ import psutil
 
 from elastic_train import proctree
 from elastic_train.chaos import ChaosEvent, node_count, validate_schedule
+from elastic_train.config import parse_cli
 from elastic_train.errors import ClusterError, ConfigError
 from elastic_train.etcd_server import EtcdServer, free_port
 from elastic_train.log import get_logger
@@ -183,11 +184,8 @@ class LocalCluster:
         Workers would exit with a config error and their agents restart them,
         up to ``max_restarts`` times, so the runner checks first.
         """
-        if Path(self.spec.script).resolve() != MAIN_SCRIPT.resolve():
-            return
-        from elastic_train.config import parse_cli
-
-        parse_cli(self.command()[self.command().index(self.spec.script) + 1 :])
+        if Path(self.spec.script).resolve() == MAIN_SCRIPT.resolve():
+            parse_cli(self.worker_args())
 
     def _check_metrics_ports(self) -> None:
         """A taken port would crash that node's agent at its first rendezvous."""
@@ -209,14 +207,18 @@ class LocalCluster:
         log.info("local_etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.process.pid)  # type: ignore[union-attr]
         return self.etcd.endpoint
 
-    def command(self) -> list[str]:
-        spec = self.spec
-        args = [self._fill(arg) for arg in spec.script_args]
-        if spec.trainer_args:
+    def worker_args(self) -> list[str]:
+        """The worker script's arguments: ``script_args`` filled in, plus our trainer's dirs."""
+        args = [self._fill(arg) for arg in self.spec.script_args]
+        if self.spec.trainer_args:
             args += [
                 f"--logging.audit_dir={self.audit_dir}",
                 f"--checkpoint.dir={self.checkpoint_dir}",
             ]
+        return args
+
+    def command(self) -> list[str]:
+        spec = self.spec
         conf = [f"--rdzv-conf={spec.rdzv_conf}"] if spec.rdzv_conf else []
         return [
             sys.executable,
@@ -230,7 +232,7 @@ class LocalCluster:
             f"--max-restarts={spec.max_restarts}",
             *conf,
             spec.script,
-            *args,
+            *self.worker_args(),
         ]
 
     def _fill(self, arg: str) -> str:
