@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO_ROOT / "k8s"
@@ -241,3 +242,14 @@ def _mount_volumes(
                 f"the local pod runner cannot provide volume {volume}"
             )
     return mounts
+
+
+def rdzv_parameters(torchrun_args: list[str]) -> RendezvousParameters:
+    """What torchrun makes of its arguments' (and PET_* variables') --rdzv-* options."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    config, _, _ = config_from_args(get_args_parser().parse_args(torchrun_args))
+    return RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, **config.rdzv_configs,
+    )  # fmt: skip

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 from conftest import SHARED_DIR
-from k8s_manifests import REPO_ROOT, container, find, pod_specs, render
+from k8s_manifests import REPO_ROOT, container, find, pod_specs, rdzv_parameters, render
 from secure_etcd import PASSWORD, secure_etcd
 
 from elastic_train.config import load_config
@@ -198,3 +198,23 @@ def test_etcd_scripts_make_a_tls_cluster_with_a_user_limited_to_the_prefix(tmp_p
         no_cert = {k: v for k, v in user.items() if k not in ("ETCDCTL_CERT", "ETCDCTL_KEY")}
         no_cert["ETCDCTL_DIAL_TIMEOUT"] = "2s"
         assert _etcdctl(no_cert, "get", "/elastic-train/x").returncode != 0
+
+
+def test_compose_nodes_run_the_same_command_as_the_kubernetes_pods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from elastic_train.rendezvous_config import parse_config
+
+    pod = find(render("cpu"), "Job", "elastic-train")["spec"]["template"]["spec"]
+    k8s_args = container(pod, "trainer")["args"]
+    for service in TRAINERS.values():
+        args = service["command"]
+        assert [a.split("=")[0] for a in args] == [a.split("=")[0] for a in k8s_args]
+        for name, value in service["environment"].items():
+            monkeypatch.setenv(name, value)
+        _, _, script = config_from_args(get_args_parser().parse_args(args))
+        assert script[-3:] == ["elastic_train/main.py", "--config", "/config/train.toml"]
+        params = rdzv_parameters(args)
+        assert parse_config(params).key_prefix == "/elastic-train"

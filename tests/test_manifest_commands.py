@@ -26,9 +26,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from k8s_manifests import REPO_ROOT, PodIdentity, container, find, local_process, render
+from k8s_manifests import (
+    REPO_ROOT,
+    PodIdentity,
+    container,
+    find,
+    local_process,
+    rdzv_parameters,
+    render,
+)
 from secure_etcd import ETCD_SCRIPTS, PASSWORD, secure_etcd, trainer_secrets
-from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_train import proctree
 from elastic_train.config import load_config
@@ -308,18 +315,6 @@ def test_slurm_script_preempts_on_usr1_and_a_resubmission_finishes(
     assert max(r["restored_step"] for r in resumed) == stopped, "no step was lost"
 
 
-def _rdzv_parameters(argv: list[str]) -> RendezvousParameters:
-    """What torchrun makes of a command line's --rdzv-* options."""
-    from torch.distributed.run import config_from_args, get_args_parser
-
-    torchrun_args = get_args_parser().parse_args(argv[1:])
-    config, _, _ = config_from_args(torchrun_args)
-    return RendezvousParameters(
-        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-        min_nodes=config.min_nodes, max_nodes=config.max_nodes, **config.rdzv_configs,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "tls"])
 def test_the_rendezvous_backend_accepts_the_manifests_rdzv_options(
     overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -342,7 +337,7 @@ def test_the_rendezvous_backend_accepts_the_manifests_rdzv_options(
     )  # fmt: skip
     for name, value in trainer.env.items():
         monkeypatch.setenv(name, value)
-    params = _rdzv_parameters(trainer.argv)
+    params = rdzv_parameters(trainer.argv[1:])
     assert params.run_id == "uid-1"
     config = parse_config(params)  # raises ValueError naming any key it does not accept
     assert config.key_prefix == "/elastic-train"
@@ -382,7 +377,7 @@ def test_the_pytorchjob_command_reaches_the_etcd_v3_backend(
     )  # fmt: skip
     for name, value in {**_operator_env(job), **trainer.env}.items():
         monkeypatch.setenv(name, value)  # torchrun reads PET_* as its flags' defaults
-    params = _rdzv_parameters(trainer.argv)
+    params = rdzv_parameters(trainer.argv[1:])
     assert params.backend == "etcd-v3"
     assert {e.name for e in entry_points(group="torchrun.handlers")} >= {"etcd-v3"}
     assert (params.min_nodes, params.max_nodes) == (1, worker["replicas"])
