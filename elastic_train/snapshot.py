@@ -363,7 +363,7 @@ class SnapshotStore:
                 data[offset : offset + nbytes]
                 .view(dtype_from_name(dtype))
                 .view(shape)
-                .to(map_location)
+                .to(map_location, copy=True)  # own storage: set_rng_state ignores view offsets
                 for dtype, shape, offset, nbytes in document["table"]
             ]
             state = decode_state(document["skeleton"], tensors)
