@@ -10,12 +10,16 @@ with an empty ``/dev/shm`` included) as bytes in a tensor broadcast.
 from __future__ import annotations
 
 import io
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from elastic_train.log import get_logger
+
+if TYPE_CHECKING:
+    from elastic_train.checkpoint import CheckpointManager
+    from elastic_train.snapshot import SnapshotStore
 
 log = get_logger(__name__)
 
@@ -48,6 +52,28 @@ def decide(table: torch.Tensor, ranks: list[int]) -> Agreement:
     return Agreement("none", 0, -1)
 
 
+def _gather(
+    local_snapshot_step: int | None, disk_step: int | None, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's (snapshot step, disk step), -1 for none, and their global ranks."""
+    mine = torch.tensor(
+        [
+            -1 if local_snapshot_step is None else local_snapshot_step,
+            -1 if disk_step is None else disk_step,
+        ],
+        dtype=torch.int64,
+    )
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine.unsqueeze(0), [0]
+    device = _collective_device(group)
+    gathered = [
+        torch.empty(2, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
+    ]
+    dist.all_gather(gathered, mine.to(device), group=group)
+    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(len(gathered))]
+    return torch.stack(gathered).cpu(), ranks
+
+
 def agree_on_newest(
     *, local_snapshot_step: int | None, disk_step: int | None, group: dist.ProcessGroup | None
 ) -> Agreement:
@@ -57,22 +83,7 @@ def agree_on_newest(
     or the step of ``load()``), ``disk_step`` the newest checkpoint this rank can read.
     Without an initialized process group it decides from the local values alone.
     """
-    mine = torch.tensor(
-        [
-            -1 if local_snapshot_step is None else local_snapshot_step,
-            -1 if disk_step is None else disk_step,
-        ],
-        dtype=torch.int64,
-    )
-    if not (dist.is_available() and dist.is_initialized()):
-        return decide(mine.unsqueeze(0), [0])
-    device = _collective_device(group)
-    gathered = [
-        torch.empty(2, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
-    ]
-    dist.all_gather(gathered, mine.to(device), group=group)
-    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(len(gathered))]
-    agreement = decide(torch.stack(gathered).cpu(), ranks)
+    agreement = decide(*_gather(local_snapshot_step, disk_step, group))
     log.info(
         "restore_agreed",
         source=agreement.source,
@@ -80,6 +91,55 @@ def agree_on_newest(
         owner_rank=agreement.owner_rank,
     )
     return agreement
+
+
+class Restored(NamedTuple):
+    source: str  # "snapshot", "disk" or "none"
+    step: int  # 0 for "none"
+    state: dict | None
+
+
+def restore_newest(
+    *,
+    snapshot: SnapshotStore | None,
+    checkpoint: CheckpointManager | None,
+    group: dist.ProcessGroup | None,
+    map_location: str | torch.device,
+) -> Restored:
+    """The whole restore, on every rank: the newest state any node or the disk holds.
+
+    Loads this node's snapshot, agrees in one all_gather, and then: a winning
+    snapshot is used where it is local and broadcast from its owner only when
+    some rank lacks it (a new node, a node with an older copy); a winning disk
+    checkpoint is loaded by every rank from the shared ``checkpoint.dir``
+    (with the usual fallback past corrupt ones).
+    """
+    local = snapshot.load(map_location=map_location) if snapshot is not None else None
+    disk_step = checkpoint.latest_step() if checkpoint is not None else None
+    table, ranks = _gather(local[0] if local else None, disk_step, group)
+    agreement = decide(table, ranks)
+    log.info(
+        "restore_agreed",
+        source=agreement.source,
+        step=agreement.step,
+        owner_rank=agreement.owner_rank,
+        local_snapshot=local[0] if local else None,
+    )
+    if agreement.source == "snapshot":
+        mine = local[1] if local is not None and local[0] == agreement.step else None
+        if not bool((table[:, 0] == agreement.step).all()):
+            mine = broadcast_state(mine, agreement.owner_rank, group, map_location=map_location)
+        return Restored("snapshot", agreement.step, mine)
+    if agreement.source == "disk":
+        if checkpoint is None:
+            raise ValueError(
+                "restore_newest: the group chose a disk checkpoint, "
+                "but this rank was given no CheckpointManager"
+            )
+        loaded = checkpoint.load_latest(map_location=map_location)
+        if loaded is not None:
+            return Restored("disk", loaded[0], loaded[1])
+    return Restored("none", 0, None)
 
 
 def broadcast_state(

@@ -40,16 +40,25 @@ import torch
 
 from elastic_train.errors import CheckpointError, SnapshotError
 from elastic_train.log import get_logger
-from elastic_train.restore import Agreement, agree_on_newest, broadcast_state, decide
+from elastic_train.restore import (
+    Agreement,
+    Restored,
+    agree_on_newest,
+    broadcast_state,
+    decide,
+    restore_newest,
+)
 from elastic_train.state_io import checksum, decode_state, dtype_from_name, encode_state
 
 __all__ = [
     "Agreement",
+    "Restored",
     "SnapshotStats",
     "SnapshotStore",
     "agree_on_newest",
     "broadcast_state",
     "decide",
+    "restore_newest",
 ]
 
 log = get_logger(__name__)

@@ -279,7 +279,8 @@ def test_decide_picks_the_newest_and_a_holder(rows: list, expected: Agreement) -
 
 
 def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
-    from elastic_train.snapshot import agree_on_newest
+    from elastic_train.checkpoint import CheckpointManager
+    from elastic_train.snapshot import agree_on_newest, restore_newest
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -292,14 +293,31 @@ def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
             local_snapshot_step=snapshot[0] if snapshot else None, disk_step=9, group=None
         )
         mine = snapshot[1] if snapshot and snapshot[0] == agreement.step else None
-        state = broadcast_state(mine, agreement.owner_rank, None)
-        torch.save({"agreement": list(agreement), "state": state}, f"{out}/rank{rank}.pt")
+        shipped = broadcast_state(mine, agreement.owner_rank, None)
+        # The one-call restore: first the snapshot wins, then a newer disk checkpoint.
+        ckpt = CheckpointManager(
+            Path(root) / "ckpt", keep=2, fingerprint=FP, async_save=False, is_writer=rank == 0
+        )
+        dist.barrier()  # the writer created the directory
+        from_snapshot = restore_newest(
+            snapshot=store, checkpoint=ckpt, group=None, map_location="cpu"
+        )
+        ckpt.save(20, {"w": torch.full((5,), 20.0), "step": 20})
+        dist.barrier()  # step 20 is on disk for everyone
+        from_disk = restore_newest(snapshot=store, checkpoint=ckpt, group=None, map_location="cpu")
+        result = {
+            "agreement": list(agreement),
+            "state": shipped,
+            "from_snapshot": list(from_snapshot),
+            "from_disk": list(from_disk),
+        }
+        torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_the_group_agrees_and_ships_the_newest_snapshot_over_gloo(tmp_path: Path) -> None:
+def test_the_group_agrees_and_ships_the_newest_state_over_gloo(tmp_path: Path) -> None:
     world = 3
     for rank in range(world):
         (tmp_path / f"node{rank}").mkdir()
@@ -313,3 +331,8 @@ def test_the_group_agrees_and_ships_the_newest_snapshot_over_gloo(tmp_path: Path
         assert result["agreement"] == ["snapshot", 12, 2]
         assert torch.equal(result["state"]["w"], torch.arange(5.0) + 12)
         assert result["state"]["step"] == 12
+        source, step, state = result["from_snapshot"]
+        assert (source, step, state["step"]) == ("snapshot", 12, 12)
+        assert torch.equal(state["w"], torch.arange(5.0) + 12)
+        source, step, state = result["from_disk"]
+        assert (source, step) == ("disk", 20) and torch.equal(state["w"], torch.full((5,), 20.0))
