@@ -107,10 +107,17 @@ class Scenario:
     def deliver(self, kind: str, node: int) -> float:
         """A chaos event now, as the runner delivers it; returns its wall time."""
         event = ChaosEvent(kind, node, at_seconds=0)  # type: ignore[arg-type]
-        now, elapsed = time.time(), time.monotonic() - self._started
-        outcome = self.cluster.deliver(event)
+        deadline = time.monotonic() + 60
+        while True:
+            now, elapsed = time.time(), time.monotonic() - self._started
+            outcome = self.cluster.deliver(event)
+            if outcome is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)  # e.g. a join while the terminated agent still shuts down
         assert outcome == "delivered", f"{event}: {outcome}"
-        self.deliveries.append(Delivery(event, now, elapsed, outcome))
+        self.deliveries.append(
+            Delivery(event=event, node=node, time=now, elapsed=elapsed, outcome=outcome)
+        )
         return now
 
     def observe(self) -> int:
