@@ -177,10 +177,27 @@ class ElasticConfig:
     preemption_signal: str = "SIGUSR1"
     #: All-reduce the preemption flag every this many steps.
     preemption_check_every: int = 1
+    #: Copy the training state into /dev/shm after optimizer steps (one writer per
+    #: node), so a failure loses at most the steps since the last copy
+    #: (docs/checkpoints-and-snapshots.md). Off: disk checkpoints only.
+    snapshot: bool = True
+    #: Snapshot every this many steps; 0: every step while a copy costs at most
+    #: snapshot_max_overhead of the step time, else the fewest steps that stay
+    #: within it (a 0.9 MiB state took 0.4-0.65 ms here: every step for steps
+    #: of 30 ms or more, every ~5th on a 7 ms step).
+    snapshot_every_steps: int = 0
+    snapshot_max_overhead: float = 0.02
+    #: Most MiB the two snapshot slots of a node may take; 0: the free space of /dev/shm.
+    snapshot_max_mib: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")
         _positive(self, "watchdog_startup_seconds", "preemption_check_every")
+        _check(self, "snapshot_every_steps", self.snapshot_every_steps >= 0,
+               "must be >= 0 (0: adaptive)")  # fmt: skip
+        _check(self, "snapshot_max_overhead", 0 < self.snapshot_max_overhead <= 1,
+               "must be in (0, 1]")  # fmt: skip
+        _check(self, "snapshot_max_mib", self.snapshot_max_mib >= 0, "must be >= 0 (0: no limit)")
         _check(self, "watchdog_timeout_seconds", self.watchdog_timeout_seconds >= 0,
                "must be >= 0 (0: adaptive)")  # fmt: skip
         from elastic_train.preemption import parse_signal  # lazily: it imports torch
