@@ -48,6 +48,7 @@ from elastic_train.precision import Precision
 from elastic_train.registry import DATASETS, LOSSES, MODELS
 from elastic_train.rng import capture_rng_state, restore_rng_state
 from elastic_train.sampler import ElasticSampler
+from elastic_train.state_sync import NodeSnapshots, open_snapshots, restore_state
 
 log = get_logger(__name__)
 
@@ -83,6 +84,7 @@ class Trainer:
     last_saved_step: int = 0
     last_save_time: float = field(default_factory=time.monotonic)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics.from_env)
+    snapshots: NodeSnapshots | None = None
     #: Set by build() after the restore.
     ddp: DistributedDataParallel = field(init=False)
 
@@ -198,6 +200,7 @@ def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
             powersgd_start_iter=cfg.training.powersgd_start_iter,
         ),
         guards=LoopGuards(cfg, device=ctx.device), eval_set=build_eval_set(cfg, data),
+        snapshots=open_snapshots(cfg.elastic, ctx.env, fingerprint=config_fingerprint(cfg)),
     )  # fmt: skip
     restore(trainer)
     # Wrapped after the restore: DDP's constructor broadcasts rank 0's weights.
@@ -240,25 +243,24 @@ def load_state_dict(t: Trainer, state: dict[str, Any]) -> None:
 
 
 def restore(t: Trainer) -> None:
-    """Load the newest good checkpoint, if any, and record the (re)start."""
-    loaded = None
-    if t.checkpoint is not None:
-        loaded = t.checkpoint.load_latest(map_location=t.ctx.device)
+    """Load the newest state of any node's snapshot or the disk; record the (re)start."""
+    restored = restore_state(t.snapshots, t.checkpoint, device=t.ctx.device)
     saved_world_size = None
-    if loaded is not None:
-        load_state_dict(t, loaded[1])
+    if restored.state is not None:
+        load_state_dict(t, restored.state)
+    if restored.source == "disk":
         saved_world_size = (t.checkpoint.loaded_metadata or {}).get("world_size")  # type: ignore[union-attr]
     t.last_saved_step = t.step
     lost_steps = max(0, _read_progress(t.cfg.checkpoint.dir) - t.step)
     t.metrics.resumed(restored_step=t.step, lost_steps=lost_steps)
     log.info(
-        "resumed", restored_step=t.step, source="disk" if loaded else "none",
+        "resumed", restored_step=t.step, source=restored.source,
         lost_steps=lost_steps, world_size=t.ctx.world_size,
         saved_world_size=saved_world_size, epoch=t.sampler.epoch,
         samples_consumed=t.sampler.samples_consumed, attempt=t.attempt,
     )  # fmt: skip
     if t.audit is not None:
-        t.audit.resume(restored_step=t.step, source="disk" if loaded else "none")
+        t.audit.resume(restored_step=t.step, source=restored.source)
 
 
 def _read_progress(directory: str) -> int:
@@ -403,6 +405,8 @@ def train(t: Trainer) -> TrainResult:
         if t.cfg.eval.every_steps and t.step % t.cfg.eval.every_steps == 0:
             run_evaluation(t, reason="interval")
         stopped = t.guards.after_step(t.step)
+        if t.snapshots is not None:
+            t.snapshots.after_step(t.step, lambda: state_dict(t))
         if stopped is not None:
             save_checkpoint(t, reason=stopped.value, blocking=True)
             if t.checkpoint is not None:
@@ -466,6 +470,8 @@ def close(t: Trainer) -> None:
         t.checkpoint.close()
     if t.audit is not None:
         t.audit.close()
+    if t.snapshots is not None:
+        t.snapshots.close(completed=finished(t))  # a completed run's snapshot is removed
     # DDP's C++ reducer holds the process group. Were it the last holder, the
     # group's destructor would join gloo's threads with the GIL held, which
     # deadlocks when one of them needs the GIL to free a finished work

@@ -1,0 +1,174 @@
+"""Per-step snapshots in the training loop, and where a (re)start resumes from.
+
+``snapshot.py`` stores a state in ``/dev/shm`` and ``restore.py`` agrees on
+the newest one; this module decides the rest for the trainer: which worker
+writes (LOCAL_RANK 0, one per node), under which directory (one per run and
+node, since the nodes of ``elastic-train local`` share one ``/dev/shm``), how
+often (:class:`SnapshotCadence`) and what happens when a snapshot cannot be
+taken (it is logged, and the node relies on disk checkpoints from then on).
+
+The loop calls :func:`open_snapshots` in ``build``, :func:`restore_state` in
+``restore``, :meth:`NodeSnapshots.after_step` once per optimizer step and
+:meth:`NodeSnapshots.close` at the end (removing the snapshot once the run is
+complete).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_train.checkpoint import CheckpointManager
+from elastic_train.config import ElasticConfig
+from elastic_train.distributed import WorkerEnv
+from elastic_train.errors import SnapshotError
+from elastic_train.log import get_logger
+from elastic_train.restore import Restored, restore_newest
+from elastic_train.snapshot import SnapshotStore
+
+log = get_logger(__name__)
+
+#: Weight of the newest measurement in the running step and snapshot times.
+_SMOOTHING = 0.2
+_RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+@dataclass
+class SnapshotCadence:
+    """When the next snapshot is due: every ``every`` steps, or (``every == 0``)
+    every step while a snapshot costs at most ``max_overhead`` of the training
+    time, and otherwise every K steps, the smallest K that stays within it."""
+
+    every: int
+    max_overhead: float
+    interval: int = 1
+    last_step: int | None = None
+    step_seconds: float | None = None  # smoothed, without the snapshots
+    snapshot_seconds: float | None = None  # smoothed, the first (allocating) one left out
+    _snapshots: int = 0
+
+    def __post_init__(self) -> None:
+        if self.every > 0:
+            self.interval = self.every
+
+    def due(self, step: int) -> bool:
+        return self.last_step is None or step - self.last_step >= self.interval
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_seconds = _smooth(self.step_seconds, seconds)
+
+    def observe_snapshot(self, step: int, seconds: float) -> None:
+        self.last_step = step
+        self._snapshots += 1
+        if self._snapshots > 1:
+            self.snapshot_seconds = _smooth(self.snapshot_seconds, seconds)
+        if self.every == 0 and self.snapshot_seconds is not None and self.step_seconds:
+            budget = self.max_overhead * self.step_seconds
+            self.interval = max(1, math.ceil(self.snapshot_seconds / budget))
+
+
+def _smooth(previous: float | None, value: float) -> float:
+    return value if previous is None else previous + _SMOOTHING * (value - previous)
+
+
+def snapshot_run_id(env: WorkerEnv) -> str:
+    """Unique per run and node: nodes of one machine share ``/dev/shm``."""
+    return _RUN_ID_UNSAFE.sub("_", f"{env.run_id}.{env.node}")[:128]
+
+
+class NodeSnapshots:
+    """This node's snapshot store, as the loop uses it; only LOCAL_RANK 0 writes."""
+
+    def __init__(self, store: SnapshotStore, cadence: SnapshotCadence) -> None:
+        self.store = store
+        self.cadence = cadence
+        self.enabled = store.is_writer
+        self._last_call: float | None = None
+        self._last_cost = 0.0
+
+    def after_step(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+        """Snapshot ``state()`` of the step just completed when one is due.
+
+        Called after the step's preemption poll (an all-reduce): by then every
+        rank has recorded the step, so a snapshot never holds a step that some
+        rank's audit record lacks.
+        """
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._last_call is not None:
+            self.cadence.observe_step(now - self._last_call - self._last_cost)
+        self._last_call, self._last_cost = now, 0.0
+        if not self.cadence.due(step):
+            return
+        interval = self.cadence.interval
+        try:
+            self.store.save(step, state())
+        except SnapshotError as exc:
+            self.enabled = False
+            log.error("snapshot_disabled", step=step, error=str(exc), fallback="disk checkpoints")
+            return
+        self._last_cost = time.perf_counter() - now
+        self.cadence.observe_snapshot(step, self._last_cost)
+        if self.cadence.interval != interval:
+            log.info(
+                "snapshot_interval", step=step, interval=self.cadence.interval,
+                snapshot_ms=round(1000 * (self.cadence.snapshot_seconds or 0), 3),
+                step_ms=round(1000 * (self.cadence.step_seconds or 0), 3),
+            )  # fmt: skip
+
+    def close(self, *, completed: bool) -> None:
+        """Release the store; a completed run's snapshot is removed (the writer does it)."""
+        if completed and self.store.is_writer:
+            self.store.remove()
+            log.info("snapshot_removed", directory=str(self.store.directory))
+        else:
+            self.store.close()
+
+
+def open_snapshots(
+    cfg: ElasticConfig, env: WorkerEnv, *, fingerprint: str, root: str | Path = "/dev/shm"
+) -> NodeSnapshots | None:
+    """This node's snapshots, or None: turned off, no run id, or the store cannot open.
+
+    Without a run id from the launcher (``python main.py``, or workers started
+    by hand) two unrelated runs of one config would share a directory and one
+    could resume the other's state; such a restart is a whole-job restart
+    anyway, which disk checkpoints serve.
+    """
+    if not cfg.snapshot:
+        return None
+    if env.run_id == WorkerEnv.run_id:
+        log.info("snapshot_off", reason="no run id from the launcher (TORCHELASTIC_RUN_ID)")
+        return None
+    max_bytes = int(cfg.snapshot_max_mib * 2**20) or None
+    try:
+        store = SnapshotStore(
+            snapshot_run_id(env), fingerprint=fingerprint, root=root, max_bytes=max_bytes,
+            is_writer=env.local_rank == 0,
+        )  # fmt: skip
+    except SnapshotError as exc:
+        log.error("snapshot_disabled", error=str(exc), fallback="disk checkpoints")
+        return None
+    cadence = SnapshotCadence(cfg.snapshot_every_steps, cfg.snapshot_max_overhead)
+    return NodeSnapshots(store, cadence)
+
+
+def restore_state(
+    snapshots: NodeSnapshots | None,
+    checkpoint: CheckpointManager | None,
+    *,
+    device: torch.device,
+) -> Restored:
+    """The newest state of any node's snapshot and the disk (a collective on every rank)."""
+    return restore_newest(
+        snapshot=snapshots.store if snapshots is not None else None,
+        checkpoint=checkpoint, group=None, map_location=device,
+    )  # fmt: skip
