@@ -118,7 +118,7 @@ class NodeSnapshots:
         self._last_cost = time.perf_counter() - now
         self.cadence.observe_snapshot(step, self._last_cost)
         if self.cadence.interval != interval:
-            log.info(
+            log.debug(
                 "snapshot_interval", step=step, interval=self.cadence.interval,
                 snapshot_ms=round(1000 * (self.cadence.snapshot_seconds or 0), 3),
                 step_ms=round(1000 * (self.cadence.step_seconds or 0), 3),
@@ -128,7 +128,6 @@ class NodeSnapshots:
         """Release the store; a completed run's snapshot is removed (the writer does it)."""
         if completed and self.store.is_writer:
             self.store.remove()
-            log.info("snapshot_removed", directory=str(self.store.directory))
         else:
             self.store.close()
 
