@@ -103,9 +103,7 @@ def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
         timeout_s=args.timeout,
     )
     progress = None if args.quiet else ProgressPrinter()
-    summary = run_local(spec, run_dir=args.run_dir, progress=progress)
-    if args.json:
-        summary.write(args.json)
+    summary = run_local(spec, run_dir=args.run_dir, progress=progress, json_path=args.json)
     doc = summary.to_json()
     brief = {k: doc[k] for k in ("completed", "final_step", "final_loss", "exactly_once")}
     print(json.dumps({**brief, "recoveries": doc["recoveries"], "run_dir": doc["run_dir"]}))

@@ -131,25 +131,38 @@ class Summary:
 
 
 def run_local(
-    spec: ClusterSpec, *, run_dir: str | Path | None = None, progress: ProgressSink | None = None
+    spec: ClusterSpec,
+    *,
+    run_dir: str | Path | None = None,
+    progress: ProgressSink | None = None,
+    json_path: str | Path | None = None,
 ) -> Summary:
-    """Run the job to its end (or ``spec.timeout_s``); everything started is stopped."""
+    """Run the job to its end (or ``spec.timeout_s``); everything started is stopped.
+
+    The summary goes to ``run_dir/summary.json`` and ``json_path``, also when
+    the run is interrupted (Ctrl-C, SIGTERM): the interruption is re-raised
+    after everything is stopped and what was audited so far is written.
+    """
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     started = time.monotonic()
     cluster = LocalCluster(spec, run_dir=run_dir)
     supervisor = _Supervisor(cluster, progress)
-    error = None
+    interrupted: BaseException | None = None
     with cluster:
-        error = supervisor.run()
+        try:
+            error = supervisor.run()
+        except (KeyboardInterrupt, SystemExit) as exc:
+            interrupted, error = exc, "interrupted"
     supervisor.draw(final=True)
     summary = summarize(
-        cluster,
-        supervisor.deliveries,
-        error=error,
-        wall_seconds=time.monotonic() - started,
+        cluster, supervisor.deliveries, error=error, wall_seconds=time.monotonic() - started
     )
-    summary.write(run_dir / "summary.json")
+    for path in (run_dir / "summary.json", json_path):
+        if path is not None:
+            summary.write(path)
     log.info("local_run_finished", completed=summary.completed, run_dir=str(run_dir))
+    if interrupted is not None:
+        raise interrupted
     return summary
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -116,3 +117,7 @@ def test_ctrl_c_stops_every_process_of_the_run(tmp_path: Path) -> None:
     assert runner.returncode == EXIT_INTERRUPTED, err[-3000:]
     assert proctree.alive(procs) == []
     assert proctree.alive(_run_processes(psutil.Process(), tmp_path)) == []
+    # What was audited up to the interruption is still summarized.
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["error"] == "interrupted" and not summary["completed"]
+    assert summary["nodes"].keys() == {"node0", "node1"}
