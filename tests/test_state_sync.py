@@ -1,0 +1,130 @@
+"""The trainer's use of snapshots: cadence, who writes, refusal, removal, local restore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_train.config import ElasticConfig, load_config
+from elastic_train.distributed import WorkerEnv
+from elastic_train.errors import ConfigError
+from elastic_train.state_sync import (
+    NodeSnapshots,
+    SnapshotCadence,
+    open_snapshots,
+    restore_state,
+    snapshot_run_id,
+)
+
+ENV = WorkerEnv(run_id="job-7", node="node1", launched=True)
+
+
+def _state(step: int, numel: int = 256) -> dict:
+    return {"model": {"w": torch.full((numel,), float(step))}, "step": step}
+
+
+def _open(tmp_path: Path, env: WorkerEnv = ENV, **elastic: object) -> NodeSnapshots | None:
+    return open_snapshots(ElasticConfig(**elastic), env, fingerprint="fp", root=tmp_path)  # type: ignore[arg-type]
+
+
+def test_a_fixed_interval_snapshots_every_n_steps() -> None:
+    cadence = SnapshotCadence(every=3, max_overhead=0.02)
+    taken = []
+    for step in range(1, 11):
+        if cadence.due(step):
+            cadence.observe_snapshot(step, seconds=1.0)  # cost never changes a fixed interval
+            taken.append(step)
+    assert taken == [1, 4, 7, 10]
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "snapshot_ms", "interval"),
+    [(100.0, 1.0, 1), (60.0, 1.0, 1), (10.0, 0.9, 5), (7.0, 0.65, 5), (1.0, 0.99, 50)],
+)
+def test_the_adaptive_interval_keeps_snapshots_within_the_budget(
+    step_ms: float, snapshot_ms: float, interval: int
+) -> None:
+    cadence = SnapshotCadence(every=0, max_overhead=0.02)
+    cadence.observe_snapshot(1, seconds=1.0)  # the first one allocates: not a measure
+    assert cadence.interval == 1
+    for step in range(2, 40):
+        cadence.observe_step(step_ms / 1000)
+        cadence.observe_snapshot(step, seconds=snapshot_ms / 1000)
+    assert cadence.interval == interval
+    assert not cadence.due(38 + interval)
+    assert cadence.due(39 + interval)
+
+
+def test_nodes_sharing_dev_shm_get_their_own_directory() -> None:
+    assert snapshot_run_id(ENV) == "job-7.node1"
+    assert snapshot_run_id(WorkerEnv(run_id="job 7", node="pod/a")) == "job_7.pod_a"
+
+
+def test_snapshots_are_off_when_switched_off_or_without_a_run_id(tmp_path: Path) -> None:
+    assert _open(tmp_path, snapshot=False) is None
+    assert _open(tmp_path, WorkerEnv()) is None  # python main.py: no TORCHELASTIC_RUN_ID
+    assert not list(tmp_path.iterdir())
+
+
+def test_only_local_rank_0_writes_and_a_completed_run_removes_the_snapshot(tmp_path: Path) -> None:
+    writer = _open(tmp_path, snapshot_every_steps=1)
+    reader = _open(tmp_path, WorkerEnv(run_id="job-7", node="node1", local_rank=1))
+    assert writer is not None and reader is not None
+    for step in (1, 2, 3):
+        writer.after_step(step, lambda step=step: _state(step))
+        reader.after_step(step, lambda: pytest.fail("a non-writer built the state"))
+    assert reader.store.latest_step() == 3
+    writer.close(completed=False)  # a failed or preempted worker: the snapshot stays
+    again = _open(tmp_path, snapshot_every_steps=1)
+    assert again is not None and again.store.latest_step() == 3
+    again.close(completed=True)
+    assert not again.store.directory.exists()
+
+
+def test_a_state_that_does_not_fit_turns_snapshots_off_and_keeps_the_last_one(
+    tmp_path: Path,
+) -> None:
+    snapshots = _open(tmp_path, snapshot_every_steps=1, snapshot_max_mib=1.0)
+    assert snapshots is not None
+    snapshots.after_step(1, lambda: _state(1))
+    snapshots.after_step(2, lambda: _state(2, numel=1 << 20))  # 4 MiB > the 1 MiB cap
+    assert not snapshots.enabled
+    snapshots.after_step(3, lambda: pytest.fail("snapshotting went on"))
+    assert snapshots.store.latest_step() == 1
+    snapshots.close(completed=True)
+
+
+def test_a_second_writer_on_the_node_runs_without_snapshots(tmp_path: Path) -> None:
+    first = _open(tmp_path)
+    assert first is not None
+    assert _open(tmp_path) is None  # the same run id and node: refused, not shared
+    first.close(completed=True)
+
+
+def test_restore_picks_the_snapshot_over_an_older_checkpoint_without_a_group(
+    tmp_path: Path,
+) -> None:
+    snapshots = _open(tmp_path, snapshot_every_steps=1)
+    assert snapshots is not None
+    assert restore_state(snapshots, None, device=torch.device("cpu")).source == "none"
+    snapshots.after_step(5, lambda: _state(5))
+    source, step, state = restore_state(snapshots, None, device=torch.device("cpu"))
+    assert (source, step) == ("snapshot", 5)
+    assert state is not None and torch.equal(state["model"]["w"], _state(5)["model"]["w"])
+    snapshots.close(completed=True)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("elastic.snapshot_every_steps=-1", "elastic.snapshot_every_steps"),
+        ("elastic.snapshot_max_overhead=0", "elastic.snapshot_max_overhead"),
+        ("elastic.snapshot_max_mib=-2", "elastic.snapshot_max_mib"),
+        ("elastic.snapshot=maybe", "elastic.snapshot"),
+    ],
+)
+def test_bad_snapshot_settings_name_the_field(override: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        load_config(None, [override])
