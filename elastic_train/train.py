@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import random
@@ -53,7 +54,7 @@ log = get_logger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: In the checkpoint directory: the last completed step (see ProgressMarker).
-PROGRESS_FILE = "progress"
+PROGRESS_FILE = "progress.json"
 #: Evaluation chunk for the final loss: fixed, so the number is the same in every run.
 _EVAL_CHUNK = 64
 
@@ -226,8 +227,8 @@ class ProgressMarker:
 
     def read(self) -> int:
         try:
-            return int(self.path.read_text()) if self.path else 0
-        except (OSError, ValueError):
+            return int(json.loads(self.path.read_text())["step"]) if self.path else 0
+        except (OSError, ValueError, KeyError, TypeError):
             return 0
 
     def record(self, step: int) -> None:
@@ -235,7 +236,8 @@ class ProgressMarker:
             return
         if self._fd < 0:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)  # type: ignore[arg-type]
-        os.pwrite(self._fd, f"{step:20d}\n".encode(), 0)
+        # Fixed width, so each write covers the previous one; still valid JSON.
+        os.pwrite(self._fd, f'{{"step": {step:20d}}}\n'.encode(), 0)
 
     def close(self) -> None:
         if self._fd >= 0:
