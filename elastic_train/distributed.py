@@ -66,6 +66,11 @@ def read_worker_env(environ: Mapping[str, str] = os.environ) -> WorkerEnv:
     )
     if not 0 <= env.rank < env.world_size:
         raise ConfigError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
+    if env.launched and "MASTER_ADDR" not in environ:
+        raise ConfigError(
+            "WORLD_SIZE is set but MASTER_ADDR is not: start the workers with torchrun "
+            "(or another launcher that sets both), or unset WORLD_SIZE to train as one process"
+        )
     return env
 
 

@@ -15,8 +15,8 @@ from torch.multiprocessing import ProcessExitedException
 from trainer_procs import TINY_JOB, final_params, run_workers
 
 from elastic_train.config import from_dict, load_config
-from elastic_train.distributed import WorkerEnv
-from elastic_train.errors import EXIT_CONFIG_ERROR
+from elastic_train.distributed import WorkerEnv, read_worker_env
+from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.main import main, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,3 +122,31 @@ def test_more_workers_than_the_global_batch_exit_with_the_config_error_code() ->
     with pytest.raises(ProcessExitedException) as info:
         run_workers(3, [*TINY_JOB, "training.global_batch_size=2", "checkpoint.dir="])
     assert info.value.exit_code == EXIT_CONFIG_ERROR
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"WORLD_SIZE": "two", "MASTER_ADDR": "h"}, "WORLD_SIZE='two' is not an integer"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h"}, "RANK=2 is outside WORLD_SIZE=2"),
+        ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR is not"),
+    ],
+)
+def test_a_malformed_worker_environment_names_the_variable(
+    environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        read_worker_env(environ)
+
+
+def test_worker_environment_from_torchrun() -> None:
+    env = read_worker_env(
+        {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+         "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7",
+         "MASTER_ADDR": "h", "ELASTIC_TRAIN_NODE": "node1"}
+    )  # fmt: skip
+    assert env == WorkerEnv(
+        rank=3, local_rank=1, world_size=4, local_world_size=2, restart_count=2,
+        run_id="job7", node="node1", launched=True,
+    )  # fmt: skip
+    assert not read_worker_env({}).launched
