@@ -309,25 +309,26 @@ def main(argv: list[str] | None = None) -> None:
             )
             summary = harness.summarize_outcomes(outcomes, METRICS)
             by_k[str(k)] = {"summary": summary, "runs": {n: asdict(o) for n, o in outcomes.items()}}
+            # written after every K, so a late failure keeps the rounds already measured
+            payload = {
+                "benchmark": "rendezvous_scale_smoke" if args.smoke else "rendezvous_scale",
+                "started": started,
+                "finished": time.time(),
+                "machine": host,
+                "repeats": args.repeats,
+                "settings": {
+                    "agents": ks,
+                    "idle_seconds": idle_s,
+                    "monitor_interval": MONITOR_INTERVAL_S,
+                    "join_timeout": JOIN_TIMEOUT_S,
+                },
+                "by_agents": by_k,
+                "targets": [t.to_json() for t in targets(by_k)],
+            }
+            harness.write_results(payload["benchmark"], payload, out_dir=args.out_dir)
     finally:
         if tmp:
             tmp.cleanup()
-    payload = {
-        "benchmark": "rendezvous_scale_smoke" if args.smoke else "rendezvous_scale",
-        "started": started,
-        "finished": time.time(),
-        "machine": host,
-        "repeats": args.repeats,
-        "settings": {
-            "agents": ks,
-            "idle_seconds": idle_s,
-            "monitor_interval": MONITOR_INTERVAL_S,
-            "handler": {c.name: settings_of(c) for c in competitors},
-        },
-        "by_agents": by_k,
-        "targets": [t.to_json() for t in targets(by_k)],
-    }
-    harness.write_results(payload["benchmark"], payload, out_dir=args.out_dir)
 
 
 def targets(by_k: dict[str, Any]) -> list[harness.Target]:
