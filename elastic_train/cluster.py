@@ -171,6 +171,9 @@ class LocalCluster:
     def start(self) -> None:
         self._check_trainer_args()
         self._check_metrics_ports()
+        if self.audit_dir.is_dir() and any(self.audit_dir.iterdir()):
+            # Old records and an old result.json would be audited as this run's.
+            raise ConfigError(f"run_dir {self.run_dir} already holds a run; use a new one")
         for sub in ("audit", "checkpoints", "logs"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         if not self.endpoint:

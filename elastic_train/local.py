@@ -192,6 +192,7 @@ class _Supervisor:
         """Returns an error message when the run had to be cut short."""
         timeout = self.cluster.spec.timeout_s
         self.started = time.monotonic()  # chaos times count from the nodes' start
+        error = None
         while True:
             self.board.observe(self.tail.poll())
             self._fire_due_events()
@@ -205,14 +206,15 @@ class _Supervisor:
                 log.warning("local_nodes_left_after_finish", grace_s=FINISH_GRACE_S)
                 break
             if self.elapsed > timeout:
-                return f"timed out after {timeout:g}s"
+                error = f"timed out after {timeout:g}s"
+                break
             self.draw()
             time.sleep(POLL_INTERVAL_S)
         for event in self.pending:
             self.deliveries.append(
                 Delivery(event, event.node, time.time(), self.elapsed, "not reached")
             )
-        return None
+        return error
 
     def _since_finish(self) -> float:
         assert self._finished_at is not None

@@ -64,6 +64,14 @@ def test_a_metrics_port_in_use_is_named_before_anything_starts(
     assert _no_run_started(tmp_path)
 
 
+def test_a_used_run_dir_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "audit").mkdir()
+    (tmp_path / "audit" / "result.json").write_text("{}")
+    assert main(["local", "--quiet", "--run-dir", str(tmp_path)]) == EXIT_USAGE
+    assert f"run_dir {tmp_path} already holds a run" in capsys.readouterr().err
+    assert _no_run_started(tmp_path)
+
+
 def test_the_chaos_error_lists_the_accepted_forms(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["local", "--quiet", "--chaos", "kill1@20s"]) == EXIT_USAGE
     err = capsys.readouterr().err
