@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from trainer_procs import TINY_JOB, final_params, run_workers
 from elastic_train.config import ScheduleConfig, TrainingConfig, load_config
 from elastic_train.errors import ConfigError
 from elastic_train.optim import build_scheduler, global_batch_size, lr_multiplier, total_steps
-from elastic_train.train import micro_batches
+from elastic_train.train import checkpoint_due, micro_batches
 
 ATOL = 2e-6
 
@@ -118,3 +120,22 @@ def test_resume_at_other_world_sizes_matches_an_uninterrupted_run(
     expected, got = final_params(reference), final_params(audit)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0, msg=name)
+
+
+def test_checkpoint_due_by_steps_or_seconds() -> None:
+    cfg = load_config(None, ["checkpoint.interval_steps=5", "checkpoint.interval_seconds=30"])
+    now = time.monotonic()
+    due = [
+        checkpoint_due(SimpleNamespace(cfg=cfg, step=step, last_save_time=saved))  # type: ignore[arg-type]
+        for step, saved in [(10, now), (11, now), (11, now - 31)]
+    ]
+    assert due == [True, False, True]
+
+
+@pytest.mark.slow
+def test_checkpoints_at_intervals_epoch_ends_and_the_end(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_workers(2, [*TINY_JOB, "training.steps=9", "checkpoint.interval_steps=4",
+                    "checkpoint.keep=10", f"checkpoint.dir={ckpt}"])  # fmt: skip
+    saved = sorted(int(p.parent.name[5:]) for p in ckpt.glob("step-*/MANIFEST.json"))
+    assert saved == [4, 7, 8, 9]  # 7: the end of epoch 0 (98 samples, batches of 16)
