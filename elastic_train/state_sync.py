@@ -16,7 +16,9 @@ complete).
 from __future__ import annotations
 
 import math
+import os
 import re
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,6 +160,19 @@ def open_snapshots(
         return None
     cadence = SnapshotCadence(cfg.snapshot_every_steps, cfg.snapshot_max_overhead)
     return NodeSnapshots(store, cadence)
+
+
+def remove_run_snapshots(run_id: str, *, root: str | Path = "/dev/shm") -> list[Path]:
+    """Remove every node's snapshot of one run on this machine; returns what was removed.
+
+    For a runner that hosts all nodes (``elastic-train local``): a SIGKILLed
+    node cannot remove its own, and a later run never reuses the run id.
+    """
+    prefix = f"elastic_train-{os.getuid()}-{snapshot_run_id(WorkerEnv(run_id=run_id, node=''))}"
+    removed = [path for path in Path(root).glob("elastic_train-*") if path.name.startswith(prefix)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def restore_state(

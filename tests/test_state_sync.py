@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from elastic_train.state_sync import (
     NodeSnapshots,
     SnapshotCadence,
     open_snapshots,
+    remove_run_snapshots,
     restore_state,
     snapshot_run_id,
 )
@@ -128,3 +130,18 @@ def test_restore_picks_the_snapshot_over_an_older_checkpoint_without_a_group(
 def test_bad_snapshot_settings_name_the_field(override: str, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         load_config(None, [override])
+
+
+def test_a_runner_removes_every_node_snapshot_of_its_run_only(tmp_path: Path) -> None:
+    stores = [
+        _open(tmp_path, WorkerEnv(run_id=run_id, node=node))
+        for run_id, node in (("job-7", "node0"), ("job-7", "node1"), ("job-70", "node0"))
+    ]
+    for snapshots in stores:
+        assert snapshots is not None
+        snapshots.after_step(1, lambda: _state(1))
+        snapshots.close(completed=False)  # as if killed
+    prefix = f"elastic_train-{os.getuid()}-"
+    removed = remove_run_snapshots("job-7", root=tmp_path)
+    assert sorted(p.name for p in removed) == [f"{prefix}job-7.node0", f"{prefix}job-7.node1"]
+    assert [p.name for p in tmp_path.iterdir()] == [f"{prefix}job-70.node0"]
