@@ -30,6 +30,7 @@ from elastic_train.config import parse_cli
 from elastic_train.errors import ClusterError, ConfigError
 from elastic_train.etcd_server import EtcdServer, free_port
 from elastic_train.log import get_logger
+from elastic_train.state_sync import remove_run_snapshots
 
 log = get_logger(__name__)
 
@@ -350,6 +351,7 @@ class LocalCluster:
             if self.etcd is not None:
                 self.etcd.stop()
                 shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
+            remove_run_snapshots(self.run_id)  # killed nodes' /dev/shm snapshots
 
     def _stop_nodes(self) -> None:
         self._last_scan = float("-inf")  # a fresh scan: the last one may be a second old
