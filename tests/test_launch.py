@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -94,8 +95,21 @@ def test_sbatch_script_lints() -> None:
 
 
 def _job(audit: Path, steps: int = 6) -> list[str]:
+    # Evaluation every 3 steps and at the end, on the 98 training samples in
+    # micro-batches of 16: the logged results must not depend on the world size.
     return [*TINY_JOB, f"training.steps={steps}", "checkpoint.dir=",
-            f"logging.audit_dir={audit}"]  # fmt: skip
+            f"logging.audit_dir={audit}", "logging.level=INFO", "eval.every_steps=3",
+            "eval.at_end=true", "eval.batch_size=16"]  # fmt: skip
+
+
+def _evaluations(stderr: str) -> list[dict]:
+    events = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    keys = ("step", "reason", "loss", "accuracy", "samples", "correct")
+    return [
+        {k: e[k] for k in keys}
+        for e in events
+        if e.get("event") == "evaluation" and e.get("rank") == 0
+    ]
 
 
 @pytest.mark.slow
@@ -103,8 +117,8 @@ def test_elastic_train_spawn_trains_like_one_process(tmp_path: Path) -> None:
     spawned, single = tmp_path / "spawn", tmp_path / "single"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     spawn = [str(BIN / "elastic-train"), "spawn", "--nproc", "2"]
-    subprocess.run([*spawn, *(f"--{o}" for o in _job(spawned))], check=True, env=env,
-                   timeout=120)  # fmt: skip
+    ours_run = subprocess.run([*spawn, *(f"--{o}" for o in _job(spawned))], check=True,
+                              env=env, timeout=120, capture_output=True, text=True)  # fmt: skip
     # The legacy launcher passes --local-rank=0: accepted and ignored for the environment.
     legacy = [
         sys.executable,
@@ -114,8 +128,8 @@ def test_elastic_train_spawn_trains_like_one_process(tmp_path: Path) -> None:
         f"--master-port={free_port()}",
         str(REPO / "elastic_train" / "main.py"),
     ]
-    subprocess.run([*legacy, *(f"--{o}" for o in _job(single))], check=True, env=env,
-                   timeout=120)  # fmt: skip
+    single_run = subprocess.run([*legacy, *(f"--{o}" for o in _job(single))], check=True,
+                                env=env, timeout=120, capture_output=True, text=True)  # fmt: skip
     result = read_result(spawned)
     assert result is not None and result["final_step"] == 6 and result["world_size"] == 2
     log = AuditLog.load(spawned)
@@ -124,6 +138,15 @@ def test_elastic_train_spawn_trains_like_one_process(tmp_path: Path) -> None:
     reference = torch.load(single / "final_params.pt", weights_only=True)
     for name, value in reference.items():
         torch.testing.assert_close(ours[name], value, atol=2e-6, rtol=0)
+    evaluations = _evaluations(ours_run.stderr)
+    assert [(e["step"], e["reason"]) for e in evaluations] == [
+        (3, "interval"), (6, "interval"), (6, "end"),
+    ]  # fmt: skip
+    assert all(e["samples"] == 98 for e in evaluations)  # every sample once, none padded
+    # Same parameters at step 3 (up to float summation order), so the same metrics.
+    for ours_eval, single_eval in zip(evaluations, _evaluations(single_run.stderr), strict=True):
+        assert ours_eval["correct"] == single_eval["correct"]
+        assert ours_eval["loss"] == pytest.approx(single_eval["loss"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -189,3 +192,29 @@ def test_comm_hooks_keep_replicas_identical_and_close(tmp_path: Path) -> None:
 def test_comm_hook_rejects_unknown_names() -> None:
     with pytest.raises(ConfigError, match=r"comm_hook='int8'.*none, fp16, bf16, powersgd"):
         CommHook("int8")
+
+
+@pytest.mark.slow
+def test_trainer_checkpoints_scaler_and_powersgd_state(tmp_path: Path) -> None:
+    """fp16 autocast with a GradScaler and PowerSGD, through the real trainer: both
+    states are in the checkpoint (weights_only) and a resume continues from them."""
+    pytest.importorskip("numpy")
+    directory = tmp_path / "ckpt"
+    job = [
+        sys.executable, "-m", "elastic_train.main", "--model.name=mlp",
+        "--data.name=synthetic", "--data.num_samples=64", "--training.global_batch_size=16",
+        "--training.precision=fp16", "--training.comm_hook=powersgd",
+        "--training.powersgd_start_iter=2", "--checkpoint.interval_steps=3",
+        f"--checkpoint.dir={directory}", "--logging.format=json",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([*job, "--training.steps=6"], check=True, env=env, timeout=120)
+    state = torch.load(directory / "step-000000006" / "state.pt", weights_only=True)
+    assert state["precision"]["precision"] == "fp16"
+    assert state["precision"]["scaler"]["scale"] > 0
+    assert state["comm_hook"] == {"name": "powersgd", "powersgd_iter": 6}
+    resumed = subprocess.run([*job, "--training.steps=9"], check=True, env=env, timeout=120,
+                             capture_output=True, text=True)  # fmt: skip
+    assert '"restored_step": 6' in resumed.stderr
+    final = torch.load(directory / "step-000000009" / "state.pt", weights_only=True)
+    assert final["comm_hook"]["powersgd_iter"] == 9  # continued, not restarted at 0
