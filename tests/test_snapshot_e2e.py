@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from test_chaos_faults import JOB, PARAM_ATOL, Scenario
 from trainer_procs import run_workers
 
-from elastic_train.audit import AuditLog
+from elastic_train.audit import AuditLog, audit_exactly_once
 from elastic_train.chaos import node_of_rank
 from elastic_train.config import fingerprint, load_config
 from elastic_train.local import Summary
@@ -35,13 +34,6 @@ def _shm_dirs(run_id: str) -> dict[str, Path]:
     """This run's snapshot directories, by node name."""
     prefix = f"elastic_train-{os.getuid()}-{run_id}."
     return {p.name.removeprefix(prefix): p for p in SHM.glob(f"{prefix}*")}
-
-
-def _remove_shm_dirs(run_id: str) -> None:
-    # A SIGKILLed node cannot remove its own; on a real cluster the pod's
-    # memory emptyDir goes with it.
-    for path in _shm_dirs(run_id).values():
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _snapshot(scenario: Scenario, node: str) -> tuple[int, dict] | None:
@@ -62,12 +54,11 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, float]:
     return params, json.loads((audit / "result.json").read_text())["final_loss"]
 
 
-def _assert_like_fault_free(
+def _assert_ends_like_fault_free(
     summary: Summary, run_dir: Path, fault_free: tuple[dict, float]
 ) -> None:
     assert summary.completed, summary.to_json()
     assert summary.final_step == STEPS
-    assert summary.exactly_once, summary.exactly_once_detail
     params = torch.load(run_dir / "audit" / "final_params.pt", weights_only=True)
     expected, loss = fault_free
     for name, value in expected.items():
@@ -80,10 +71,9 @@ def _assert_like_fault_free(
 class ChaosRun:
     """What the three-node chaos run left for the tests to check."""
 
-    def __init__(self, summary: Summary, scenario: Scenario, shm_left: set[str]) -> None:
+    def __init__(self, summary: Summary, scenario: Scenario) -> None:
         self.summary = summary
         self.scenario = scenario
-        self.shm_left = shm_left
         self.new_node_snapshots: list[tuple[int, dict]] = []
         self.killed_rank0_node: int | None = None
 
@@ -103,7 +93,6 @@ def _same_step_snapshots(s: Scenario, nodes: tuple[str, str]) -> list[tuple[int,
 def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> ChaosRun:
     run_dir = tmp_path_factory.mktemp("snapshot-chaos") / "run"
     scenario = Scenario(run_dir, steps=STEPS, nodes=3, args=ARGS)
-    run_id = scenario.cluster.run_id
     found: dict[str, object] = {}
 
     def script(s: Scenario) -> None:
@@ -123,12 +112,7 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> ChaosRun:
         s.wait_for_recovery(world_size=2)
         s.finish_fast()
 
-    try:
-        summary = scenario.run(script)
-        left = set(_shm_dirs(run_id))
-    finally:
-        _remove_shm_dirs(run_id)
-    run = ChaosRun(summary, scenario, left)
+    run = ChaosRun(scenario.run(script), scenario)
     run.new_node_snapshots = found.get("snapshots", [])  # type: ignore[assignment]
     run.killed_rank0_node = found.get("rank0_node")  # type: ignore[assignment]
     return run
@@ -173,44 +157,49 @@ def test_a_new_node_receives_the_state_by_broadcast(chaos_run: ChaosRun) -> None
 def test_the_run_ends_like_a_fault_free_one(
     chaos_run: ChaosRun, fault_free: tuple[dict, float]
 ) -> None:
-    _assert_like_fault_free(chaos_run.summary, chaos_run.scenario.run_dir, fault_free)
+    assert chaos_run.summary.exactly_once, chaos_run.summary.exactly_once_detail
+    _assert_ends_like_fault_free(chaos_run.summary, chaos_run.scenario.run_dir, fault_free)
 
 
 @pytest.mark.slow
-def test_a_completed_run_leaves_only_the_killed_nodes_snapshots(chaos_run: ChaosRun) -> None:
-    killed = {f"node{d.node}" for d in chaos_run.summary.events if d.event.kind == "kill"}
-    assert chaos_run.shm_left == killed
+def test_snapshots_are_removed_at_the_end(chaos_run: ChaosRun) -> None:
+    finished = [name for name, state in chaos_run.summary.nodes.items() if state == "exited(0)"]
+    assert len(finished) == 2, chaos_run.summary.nodes
+    for name in finished:  # each surviving node's writer removed its own
+        log = (chaos_run.scenario.run_dir / "logs" / f"{name}.log").read_text()
+        assert '"snapshot_removed"' in log, name
+    # and the runner those of the killed nodes
+    assert not _shm_dirs(chaos_run.scenario.cluster.run_id)
 
 
 @pytest.mark.slow
 def test_a_whole_job_restart_resumes_from_the_disk_checkpoint(
     tmp_path: Path, fault_free: tuple[dict, float]
 ) -> None:
-    """Every node killed; a new runner invocation (a new run id, so none of the
-    old snapshots) on the same checkpoint and audit directories."""
-    run_dir = tmp_path / "run"
-    first = Scenario(run_dir, steps=STEPS, nodes=2, args=ARGS)
+    """Every node killed; then a new runner invocation (a new run id, so none
+    of the old snapshots) on the same checkpoint directory."""
+    first = Scenario(tmp_path / "first", steps=STEPS, nodes=2, args=ARGS)
 
     def kill_all(s: Scenario) -> None:
         s.wait_for_step(24)  # past the checkpoint of step 20
         s.deliver("kill", 0)
         s.deliver("kill", 1)
 
-    try:
-        killed = first.run(kill_all)
-    finally:
-        _remove_shm_dirs(first.cluster.run_id)
+    killed = first.run(kill_all)
     assert not killed.completed
-    manifests = (run_dir / "checkpoints").glob("step-*/MANIFEST.json")
-    saved = sorted(int(p.parent.name.split("-")[1]) for p in manifests)
-    second = Scenario(run_dir, steps=STEPS, nodes=2, args=ARGS)
+    manifests = first.cluster.checkpoint_dir.glob("step-*/MANIFEST.json")
+    saved = max(int(p.parent.name.split("-")[1]) for p in manifests)
+    second = Scenario(tmp_path / "second", steps=STEPS, nodes=2, args=ARGS)
     assert second.cluster.run_id != first.cluster.run_id
-    try:
-        summary = second.run(lambda s: s.finish_fast())
-    finally:
-        _remove_shm_dirs(second.cluster.run_id)
-    last_kill = killed.events[-1].time
-    resumes = [a for a in AuditLog.load(run_dir / "audit").attempts() if a.start_time > last_kill]
-    assert resumes, "the second job did not start"
-    assert (resumes[0].restore_source, resumes[0].restored_step) == ("disk", saved[-1])
-    _assert_like_fault_free(summary, run_dir, fault_free)
+    second.run_dir.mkdir()
+    second.cluster.checkpoint_dir.symlink_to(first.cluster.checkpoint_dir)
+    summary = second.run(lambda s: s.finish_fast())
+    attempts = AuditLog.load(second.cluster.audit_dir).attempts()
+    assert (attempts[0].restore_source, attempts[0].restored_step) == ("disk", saved)
+    _assert_ends_like_fault_free(summary, second.run_dir, fault_free)
+    # One job over both invocations: every sample once per epoch.
+    whole, later = AuditLog.load(first.cluster.audit_dir), AuditLog.load(second.cluster.audit_dir)
+    for record in (*later.steps, *later.resumes):
+        whole.add(record)
+    verdict = audit_exactly_once(whole, dataset_len=summary.dataset_len or 0)
+    assert verdict.ok, verdict.detail
