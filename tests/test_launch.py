@@ -87,11 +87,13 @@ def test_spawn_worker_env_matches_torchrun_names() -> None:
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "1234"
 
 
-@pytest.mark.skipif(not DEPLOY_SBATCH.exists(), reason="deploy/slurm/train.sbatch not landed")
-def test_sbatch_script_lints() -> None:
-    subprocess.run(["bash", "-n", str(DEPLOY_SBATCH)], check=True)
+@pytest.mark.parametrize(
+    "script", [DEPLOY_SBATCH, REPO / "examples" / "slurm_srun.sbatch"], ids=["deploy", "example"]
+)
+def test_sbatch_script_lints(script: Path) -> None:
+    subprocess.run(["bash", "-n", str(script)], check=True)
     if shutil.which("shellcheck"):
-        subprocess.run(["shellcheck", "-S", "warning", str(DEPLOY_SBATCH)], check=True)
+        subprocess.run(["shellcheck", "-S", "warning", str(script)], check=True)
 
 
 def _job(audit: Path, steps: int = 6) -> list[str]:
