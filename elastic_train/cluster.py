@@ -254,6 +254,10 @@ class LocalCluster:
         env["ELASTIC_TRAIN_METRICS_PORT"] = str(env_port or "off")
         env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")
         env.setdefault("ELASTIC_TRAIN_METRICS_DIR", str(self.run_dir / "metrics"))  # not /tmp
+        # All "nodes" share this machine's cores; torchrun sets OMP_NUM_THREADS only
+        # for nproc-per-node > 1, and oversubscribed intra-op threads slow every step.
+        workers = max(1, self.spec.nodes * self.spec.nproc_per_node)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
         with open(self.run_dir / "logs" / f"node{index}.log", "ab") as out:
             proc = subprocess.Popen(
                 self.command(),
