@@ -1,3 +1,3 @@
-"""elastic_train: elastic, fault-tolerant PyTorch training on torchrun with an etcd v3 rendezvous."""
+"""elastic_train: elastic, fault-tolerant PyTorch training on torchrun and etcd v3."""
 
 __version__ = "0.1.0"
