@@ -189,11 +189,13 @@ def test_a_whole_job_restart_resumes_from_the_disk_checkpoint(
     assert not killed.completed
     manifests = first.cluster.checkpoint_dir.glob("step-*/MANIFEST.json")
     saved = max(int(p.parent.name.split("-")[1]) for p in manifests)
-    second = Scenario(tmp_path / "second", steps=STEPS, nodes=2, args=ARGS)
+    # The same job: the pause file is a model option, part of the fingerprint.
+    same_job = (*ARGS, f"model.options.pause_file={first.pause_file}")
+    second = Scenario(tmp_path / "second", steps=STEPS, nodes=2, args=same_job)
     assert second.cluster.run_id != first.cluster.run_id
     second.run_dir.mkdir()
     second.cluster.checkpoint_dir.symlink_to(first.cluster.checkpoint_dir)
-    summary = second.run(lambda s: s.finish_fast())
+    summary = second.run(lambda s: first.finish_fast())
     attempts = AuditLog.load(second.cluster.audit_dir).attempts()
     assert (attempts[0].restore_source, attempts[0].restored_step) == ("disk", saved)
     _assert_ends_like_fault_free(summary, second.run_dir, fault_free)
