@@ -98,9 +98,10 @@ class NodeSnapshots:
     def after_step(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
         """Snapshot ``state()`` of the step just completed when one is due.
 
-        Called after the step's preemption poll (an all-reduce): by then every
-        rank has recorded the step, so a snapshot never holds a step that some
-        rank's audit record lacks.
+        Called after the step's preemption poll: when the poll all-reduces
+        (every step at the default ``elastic.preemption_check_every = 1``),
+        every rank has recorded the step by then, so a snapshot never holds a
+        step that some rank's audit record lacks.
         """
         if not self.enabled:
             return
