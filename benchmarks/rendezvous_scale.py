@@ -332,12 +332,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def targets(by_k: dict[str, Any]) -> list[harness.Target]:
-    """Idle etcd load per agent at the largest K measured."""
-    largest = max(by_k, key=int)
-    value = harness.median_of(by_k[largest]["summary"], "ours", "idle_requests_per_agent_per_s")
-    return [
-        harness.Target(f"ours idle etcd requests/s per agent (K={largest})", value, TARGET_IDLE_RPS)
-    ]
+    """Idle etcd load per agent at the largest K where ours completed its rounds."""
+    metric = "idle_requests_per_agent_per_s"
+    measured = [k for k in by_k if harness.median_of(by_k[k]["summary"], "ours", metric) is not None]
+    if not measured:
+        return [harness.Target("ours idle etcd requests/s per agent", None, TARGET_IDLE_RPS)]
+    k = max(measured, key=int)
+    value = harness.median_of(by_k[k]["summary"], "ours", metric)
+    return [harness.Target(f"ours idle etcd requests/s per agent (K={k})", value, TARGET_IDLE_RPS)]
 
 
 if __name__ == "__main__":
