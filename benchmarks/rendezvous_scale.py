@@ -334,7 +334,9 @@ def main(argv: list[str] | None = None) -> None:
 def targets(by_k: dict[str, Any]) -> list[harness.Target]:
     """Idle etcd load per agent at the largest K where ours completed its rounds."""
     metric = "idle_requests_per_agent_per_s"
-    measured = [k for k in by_k if harness.median_of(by_k[k]["summary"], "ours", metric) is not None]
+    measured = [
+        k for k in by_k if harness.median_of(by_k[k]["summary"], "ours", metric) is not None
+    ]
     if not measured:
         return [harness.Target("ours idle etcd requests/s per agent", None, TARGET_IDLE_RPS)]
     k = max(measured, key=int)
