@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from workers import start_workers
 
 from elastic_train.errors import SnapshotError
 from elastic_train.rng import capture_rng_state, restore_rng_state
@@ -322,10 +322,7 @@ def test_the_group_agrees_and_ships_the_newest_state_over_gloo(tmp_path: Path) -
     for rank in range(world):
         (tmp_path / f"node{rank}").mkdir()
     init = f"file://{tmp_path / 'rendezvous'}"
-    # fork: the children skip re-importing torch, which dominates on a 2-core box
-    mp.start_processes(
-        _worker, args=(world, init, str(tmp_path), str(tmp_path)), nprocs=world, start_method="fork"
-    )
+    start_workers(_worker, args=(world, init, str(tmp_path), str(tmp_path)), nprocs=world)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     for result in results:
         assert result["agreement"] == ["snapshot", 12, 2]

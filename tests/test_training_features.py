@@ -50,6 +50,9 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _eval_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    # The CPU kernels' blocking depends on the thread count, and with it the last
+    # bits of a forward pass: pin it so every process computes what the parent does.
+    torch.set_num_threads(1)
     _init(rank, world, port)
     model, data = _eval_data()
     results = {}
@@ -81,7 +84,12 @@ def test_micro_batches_cover_every_sample_once() -> None:
 @pytest.mark.slow
 def test_distributed_evaluation_equals_single_process_exactly(tmp_path: Path) -> None:
     model, data = _eval_data()
-    single = evaluate(model, data, loss_fn=_loss_fn, batch_size=16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in _eval_worker
+    try:
+        single = evaluate(model, data, loss_fn=_loss_fn, batch_size=16)
+    finally:
+        torch.set_num_threads(threads)
     # An independent plain computation, to check the metric itself.
     logits = model(data.tensors[0])
     assert single.samples == N_EVAL

@@ -1,4 +1,4 @@
-"""Run the real trainer in N gloo worker processes (``torch.multiprocessing``, forked).
+"""Run the real trainer in N gloo worker processes (``torch.multiprocessing``).
 
 Each child sets the environment torchrun would set and calls
 ``elastic_train.main.run``, so the tests exercise the same path as torchrun.
@@ -11,17 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch._dynamo  # imported for the forked children, see below
-import torch.multiprocessing as mp
+from workers import start_workers
 
 from elastic_train.config import load_config
 from elastic_train.distributed import read_worker_env
 from elastic_train.etcd_server import free_port
 from elastic_train.main import run
-
-# The children are forked, so what is imported here is not imported again in
-# each of them: torch's optimizers import torch._dynamo on first use, which
-# alone takes seconds on a loaded 2-core machine.
 
 #: A tiny job: 98 samples and a global batch of 16 make a short last batch of 2,
 #: so at world size 3 one rank gets an empty shard; micro-batches of 3 force
@@ -60,10 +55,7 @@ def _child(rank: int, world_size: int, port: int, overrides: Sequence[str]) -> N
 def run_workers(world_size: int, overrides: Sequence[str]) -> None:
     """Train in ``world_size`` processes; raises if any of them fails."""
     port = free_port()
-    mp.start_processes(
-        _child, args=(world_size, port, list(overrides)), nprocs=world_size,
-        start_method="fork", join=True,
-    )  # fmt: skip
+    start_workers(_child, args=(world_size, port, list(overrides)), nprocs=world_size)
 
 
 def final_params(audit_dir: Path) -> dict[str, torch.Tensor]:
