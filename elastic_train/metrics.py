@@ -50,6 +50,7 @@ __all__ = [
     "etcd_request",
     "etcd_timer",
     "node_name",
+    "state_restored",
 ]
 
 #: Set by the agent for the workers it starts after a re-rendezvous: the unix
@@ -159,6 +160,12 @@ CKPT_SAVE = Histogram(
 )
 CKPT_LOAD = Histogram(
     "elastic_train_checkpoint_load_seconds", "Time to load a checkpoint.", _NODE, buckets=_SLOW
+)
+RESTORE_SECONDS = Histogram(
+    "elastic_train_restore_seconds",
+    "Time to restore the training state at a (re)start, by where it came from.",
+    ("node", "source"),
+    buckets=_SLOW,
 )
 CKPT_BYTES = Counter(
     "elastic_train_checkpoint_written_bytes", "Bytes of checkpoints written.", _NODE
@@ -280,6 +287,11 @@ def checkpoint_loaded(*, step: int, seconds: float, saved_at: float | None = Non
     CKPT_LAST_STEP.labels(node).set(step)
     if saved_at is not None:
         CKPT_LAST_TIME.labels(node).set(saved_at)
+
+
+def state_restored(*, source: str, seconds: float) -> None:
+    """The (re)start restored its state from ``source``: snapshot, disk or none."""
+    RESTORE_SECONDS.labels(node_name(), source).observe(seconds)
 
 
 class ResourceSampler:

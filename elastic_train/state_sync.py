@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from elastic_train import metrics
 from elastic_train.checkpoint import CheckpointManager
 from elastic_train.config import ElasticConfig
 from elastic_train.distributed import WorkerEnv
@@ -183,7 +184,10 @@ def restore_state(
     device: torch.device,
 ) -> Restored:
     """The newest state of any node's snapshot and the disk (a collective on every rank)."""
-    return restore_newest(
+    started = time.perf_counter()
+    restored = restore_newest(
         snapshot=snapshots.store if snapshots is not None else None,
         checkpoint=checkpoint, group=None, map_location=device,
     )  # fmt: skip
+    metrics.state_restored(source=restored.source, seconds=time.perf_counter() - started)
+    return restored

@@ -141,8 +141,12 @@ def _check_logged_events(path: Path) -> None:
 
 
 JOB = "elastic-train"
+#: Each step takes at least 0.1 s (tests/paced_model.py), so the 75 steps after the
+#: join trigger leave the joiner 7.5 s or more to start and rejoin before the end,
+#: however fast the machine trains the tiny MLP.
 TRAINER = (
-    "--model.name=mlp", "--data.name=synthetic", "--training.steps=60",
+    "--model.name=tests.paced_model:paced_mlp", "--model.options.seconds=0.1",
+    "--data.name=synthetic", "--training.steps=90",
     "--checkpoint.interval_steps=5", "--eval.every_steps=10", "--logging.log_every_steps=20",
 )  # fmt: skip
 
@@ -167,7 +171,7 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(tmp_path: Pat
     prom_dir = tmp_path / "prometheus"
     prom_dir.mkdir()
     spec = ClusterSpec(
-        nodes=2, min_nodes=1, chaos=parse_schedule("kill:1@step15,join:1@step35"),
+        nodes=2, min_nodes=1, chaos=parse_schedule("kill:1@step10,join:1@step15"),
         script_args=TRAINER, metrics_port=base, timeout_s=400,
     )  # fmt: skip
     with Prometheus(config, prom_dir, free_port()).running() as prom:

@@ -189,7 +189,14 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(mean("elastic_train_checkpoint_blocking_seconds"), "{{node}} blocking"),
                 target(mean("elastic_train_checkpoint_save_seconds"), "{{node}} save"),
-                target(mean("elastic_train_checkpoint_load_seconds"), "{{node}} load"),
+                # Restores are rare (one per restart), so a windowed increase() of a
+                # series that appears with its first observation is empty: show the
+                # run's cumulative mean (multiprocess histograms outlive the workers).
+                target(
+                    f"sum by (node, source) (elastic_train_restore_seconds_sum{{{SEL}}})"
+                    f" / sum by (node, source) (elastic_train_restore_seconds_count{{{SEL}}})",
+                    "{{node}} restore from {{source}} (run mean)",
+                ),
             ],
             unit="s",
             description=f"Means over {WINDOW}.",
