@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,3 +29,18 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
 @pytest.fixture
 def etcd_endpoint(etcd_server: EtcdServer) -> str:
     return etcd_server.endpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_session_snapshots() -> Iterator[None]:
+    """Remove the /dev/shm snapshot dirs this session's runs left behind.
+
+    Killed nodes and interrupted runs cannot remove their own; /dev/shm is RAM.
+    Only directories created after the session started are touched.
+    """
+    started = time.time()
+    yield
+    for path in Path("/dev/shm").glob(f"elastic_train-{os.getuid()}-*"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime >= started:
+                shutil.rmtree(path, ignore_errors=True)
