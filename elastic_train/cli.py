@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
 
+from elastic_train import node_agent
 from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.launch import add_spawn_subcommand
 from elastic_train.log import configure_logging, get_logger
@@ -69,19 +70,14 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 #: node_agent's default port; node i of a local cluster gets this + i
-DEFAULT_METRICS_PORT = 9402
+DEFAULT_METRICS_PORT = node_agent.DEFAULT_PORT
 
 
 def _metrics_port(text: str) -> int | None:
-    if text.strip().lower() == "off":
-        return None
     try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected 0-65535 or 'off', got {text!r}")
-    return port
+        return node_agent.parse_metrics_port(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"expected 0-65535 or 'off', got {text!r}") from exc
 
 
 def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:

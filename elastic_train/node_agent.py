@@ -97,13 +97,14 @@ class MetricsEndpointConfig:
             setting("metrics_dir"),
         )
         return cls(
-            port=DEFAULT_PORT if port is None else _parse_port(port),
+            port=DEFAULT_PORT if port is None else parse_metrics_port(port),
             host=host or cls.host,
             parent_dir=Path(parent) if parent else None,
         )
 
 
-def _parse_port(text: str) -> int | None:
+def parse_metrics_port(text: str) -> int | None:
+    """A metrics port: 0-65535 (0 picks a free port), or None for 'off'."""
     if text.strip().lower() == "off":
         return None
     try:
