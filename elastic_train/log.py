@@ -7,7 +7,7 @@ project: ``run_id``, ``node``, ``rank``, ``local_rank``, ``world_size``,
 ``restart`` (the torchrun restart count), and ``step`` on events about a step.
 
 Events are named in snake case (``rendezvous_joined``, ``resumed``,
-``checkpoint_saved``, ``checkpoint_fallback``, ``watchdog_hang``) and carry their
+``checkpoint_saved``, ``checkpoint_fallback``, ``worker_hang_detected``) and carry their
 facts as keys: ``log.info("checkpoint_saved", step=120, seconds=0.4)``.
 
 The standard library's logging (torch's included) and ``warnings`` go through

@@ -136,7 +136,7 @@ class Watchdog:
 
     def _fire(self, *, idle: float, timeout: float, last_step: int | None) -> None:
         log.error(
-            "watchdog_hang",
+            "worker_hang_detected",
             last_step=last_step,
             idle_seconds=round(idle, 3),
             timeout_seconds=round(timeout, 3),

@@ -238,7 +238,7 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
         leader.start()  # back on its data dir: three members again
 
     def hang_logged() -> bool:
-        return "watchdog_hang" in (scenario.run_dir / "logs" / "node0.log").read_text()
+        return "worker_hang_detected" in (scenario.run_dir / "logs" / "node0.log").read_text()
 
     def script(s: Scenario) -> None:
         s.wait_for_step(10)
@@ -265,7 +265,7 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
     assert stop.seconds is not None
     print(f"hang-to-recovery seconds: {stop.seconds:.1f}")
     logs = scenario.logs()
-    assert '"watchdog_hang"' in logs and "Thread" in logs  # the event and the stack dump
+    assert '"worker_hang_detected"' in logs and "Thread" in logs  # the event and the stack dump
     assert f"exitcode: {EXIT_HANG}" in logs
     assert "etcd_failover" in logs  # the clients moved to another member
 

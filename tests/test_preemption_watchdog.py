@@ -141,7 +141,7 @@ def test_watchdog_kills_a_hung_process_with_stacks() -> None:
         proc.kill()
     assert proc.returncode == EXIT_HANG
     hanging = next(r for r in _records(out) if r["kind"] == "hanging")
-    assert "watchdog_hang" in out + err
+    assert "worker_hang_detected" in out + err
     # faulthandler's dump names the function the main thread is stuck in.
     assert "stuck_here" in err and "Thread" in err
     assert hanging["step"] > 10
