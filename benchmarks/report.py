@@ -70,7 +70,7 @@ def machine_line(result: dict[str, Any]) -> str:
 
 def event_table(result: dict[str, Any]) -> list[str]:
     rows = [
-        "| competitor | event -> first step, s | ratio to ours | lost steps | noticed, s "
+        "| competitor | event -> first step, s | median ÷ ours' | lost steps | noticed, s "
         "| round closed, s | restored, s | runs | notes |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -87,7 +87,7 @@ def event_table(result: dict[str, Any]) -> list[str]:
 
 
 def throughput_table(result: dict[str, Any]) -> list[str]:
-    rows = ["| competitor | samples/s | ratio to ours | runs | notes |", "|---|---|---|---|---|"]
+    rows = ["| competitor | samples/s | median ÷ ours' | runs | notes |", "|---|---|---|---|---|"]
     for name, entry in result["summary"].items():
         rows.append(
             f"| {name} | {spread(entry['samples_per_second'], 0)} "
