@@ -40,7 +40,15 @@ TINY_JOB = (
 )
 
 
-def _child(rank: int, world_size: int, port: int, overrides: Sequence[str]) -> None:
+def _child(
+    rank: int, world_size: int, port: int, overrides: Sequence[str], stderr: str | None
+) -> None:
+    if stderr is not None:
+        # The workers are not children of the pytest process (forkserver), so
+        # capfd does not see them: their log goes where the test asks.
+        fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -52,10 +60,14 @@ def _child(rank: int, world_size: int, port: int, overrides: Sequence[str]) -> N
         raise SystemExit(code)
 
 
-def run_workers(world_size: int, overrides: Sequence[str]) -> None:
-    """Train in ``world_size`` processes; raises if any of them fails."""
+def run_workers(world_size: int, overrides: Sequence[str], *, stderr: Path | None = None) -> None:
+    """Train in ``world_size`` processes; raises if any of them fails.
+
+    ``stderr``: a file the workers append their (JSON) log to.
+    """
     port = free_port()
-    start_workers(_child, args=(world_size, port, list(overrides)), nprocs=world_size)
+    args = (world_size, port, list(overrides), str(stderr) if stderr else None)
+    start_workers(_child, args=args, nprocs=world_size)
 
 
 def final_params(audit_dir: Path) -> dict[str, torch.Tensor]:
