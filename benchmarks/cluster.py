@@ -24,7 +24,7 @@ from torch.distributed import TCPStore
 
 from benchmarks.harness import Competitor
 from benchmarks.workloads import Workload, cluster_spec
-from elastic_train.audit import AuditTail, StepRecord
+from elastic_train.audit import AuditTail, StepRecord, read_new_lines
 from elastic_train.chaos import ChaosEvent, ChaosKind, Recovery, recovery_after
 from elastic_train.cluster import LocalCluster
 from elastic_train.errors import ClusterError
@@ -58,15 +58,9 @@ class LogFollower:
                 self._read(path)
 
     def _read(self, path: Path) -> None:
-        offset = self._offsets.get(path, 0)
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            chunk = handle.read()
-        complete = chunk.rfind(b"\n") + 1
-        self._offsets[path] = offset + complete
         now = time.time()
         lines = self.lines.setdefault(path.stem, [])
-        lines += [(now, line) for line in chunk[:complete].decode(errors="replace").splitlines()]
+        lines += [(now, line) for line in read_new_lines(path, self._offsets)]
 
     def first(self, pattern: str, *, after: float, nodes: list[str]) -> float | None:
         """Earliest arrival, on any of ``nodes``, of a line matching ``pattern``."""

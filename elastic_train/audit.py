@@ -236,14 +236,8 @@ class AuditTail:
         return new
 
     def _read_new(self, path: Path) -> list[AuditRecord]:
-        offset = self._offsets.get(path, 0)
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            chunk = handle.read()
-        complete = chunk.rfind(b"\n") + 1
-        self._offsets[path] = offset + complete
         records = []
-        for line in chunk[:complete].decode(errors="replace").splitlines():
+        for line in read_new_lines(path, self._offsets):
             if not line.strip():
                 continue
             try:
@@ -254,6 +248,21 @@ class AuditTail:
             if record is not None:
                 records.append(record)
         return records
+
+
+def read_new_lines(path: Path, offsets: dict[Path, int]) -> list[str]:
+    """The complete lines appended to ``path`` since the offset kept in ``offsets``.
+
+    A torn last line (its writer is mid-append, or was killed) stays unread
+    until its newline arrives.
+    """
+    offset = offsets.get(path, 0)
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        chunk = handle.read()
+    complete = chunk.rfind(b"\n") + 1
+    offsets[path] = offset + complete
+    return chunk[:complete].decode(errors="replace").splitlines()
 
 
 def read_result(directory: str | Path) -> dict[str, Any] | None:
