@@ -19,9 +19,11 @@ stamped as they reach the log, and the workers' ``resume`` records:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import harness
 from benchmarks.cluster import BenchCluster
 from benchmarks.harness import Competitor
 from benchmarks.workloads import Workload
@@ -85,3 +87,32 @@ def breakdown(cluster: BenchCluster, event_time: float, nodes: list[str]) -> dic
     resumes = [r.time for r in cluster.tail.log.resumes if r.time >= event_time]
     out["restored_seconds"] = min(resumes) - event_time if resumes else None
     return out
+
+
+def event_main(
+    argv: list[str] | None,
+    *,
+    name: str,
+    description: str,
+    kind: ChaosKind,
+    world_delta: int,
+    full: dict[str, Any],
+    smoke: dict[str, Any],
+    targets: Callable[[dict[str, dict[str, Any]]], list[harness.Target]],
+) -> None:
+    """The command line of a one-event benchmark; the world size after the event
+    is ``nodes + world_delta``."""
+    args = harness.base_parser(description, default_repeats=5).parse_args(argv)
+    kwargs = smoke if args.smoke else full
+    harness.run_benchmark(
+        f"{name}_smoke" if args.smoke else name,
+        args,
+        harness.select_competitors(args.competitors),
+        measure=lambda c, d: measure_event(
+            c, d, kind=kind, world_after=kwargs["nodes"] + world_delta, **kwargs
+        ),
+        metrics=EVENT_METRICS,
+        headline="seconds",
+        targets=targets,
+        settings=kwargs,
+    )

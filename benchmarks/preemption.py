@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.events import EVENT_METRICS, measure_event
+from benchmarks.events import event_main
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
@@ -20,22 +20,15 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
-    args = parser.parse_args(argv)
-    kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60, "timeout": 150.0}
-    if args.smoke:
-        kwargs = {"nodes": 2, "warmup_steps": 5, "timeout": 60.0}
-    harness.run_benchmark(
-        "preemption_smoke" if args.smoke else "preemption",
-        args,
-        harness.select_competitors(args.competitors),
-        measure=lambda c, d: measure_event(
-            c, d, kind="term", world_after=kwargs["nodes"] - 1, **kwargs
-        ),
-        metrics=EVENT_METRICS,
-        headline="seconds",
+    event_main(
+        argv,
+        name="preemption",
+        description=__doc__.splitlines()[0],
+        kind="term",
+        world_delta=-1,
+        full={"nodes": 3, "warmup_steps": 60, "timeout": 150.0},
+        smoke={"nodes": 2, "warmup_steps": 5, "timeout": 60.0},
         targets=targets,
-        settings=kwargs,
     )
 
 

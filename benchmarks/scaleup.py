@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.events import EVENT_METRICS, measure_event
+from benchmarks.events import event_main
 
 TARGET_MEDIAN_SECONDS = 5.0
 
@@ -23,22 +23,15 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
-    args = parser.parse_args(argv)
-    kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60, "timeout": 75.0}
-    if args.smoke:
-        kwargs = {"nodes": 1, "warmup_steps": 5, "timeout": 60.0}
-    harness.run_benchmark(
-        "scaleup_smoke" if args.smoke else "scaleup",
-        args,
-        harness.select_competitors(args.competitors),
-        measure=lambda c, d: measure_event(
-            c, d, kind="join", world_after=kwargs["nodes"] + 1, **kwargs
-        ),
-        metrics=EVENT_METRICS,
-        headline="seconds",
+    event_main(
+        argv,
+        name="scaleup",
+        description=__doc__.splitlines()[0],
+        kind="join",
+        world_delta=1,
+        full={"nodes": 3, "warmup_steps": 60, "timeout": 75.0},
+        smoke={"nodes": 1, "warmup_steps": 5, "timeout": 60.0},
         targets=targets,
-        settings=kwargs,
     )
 
 
