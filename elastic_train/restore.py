@@ -169,10 +169,15 @@ def broadcast_state(
         size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.broadcast(size, src, group=group)
     if not is_src:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        # The receive buffer is a bytearray the tensor shares, so the bytes need
+        # no conversion afterwards (bytes(storage) iterates element by element:
+        # seconds for a few MB).
+        received = bytearray(int(size.item()))
+        payload = torch.frombuffer(received, dtype=torch.uint8)
     on_device = payload.to(device)
     dist.broadcast(on_device, src, group=group)
     if is_src:
         return state
-    data = bytes(on_device.cpu().untyped_storage())
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    if on_device.device.type != "cpu":
+        payload.copy_(on_device)
+    return torch.load(io.BytesIO(received), map_location=map_location, weights_only=True)
