@@ -122,6 +122,12 @@ class _Member:
             # Notice a restarted member within a second instead of up to 2 min.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            # HTTP/2 pings find a dead connection under a long watch within 15 s;
+            # pings are not requests, so an idle agent stays silent (etcd accepts
+            # one every 5 s, --grpc-keepalive-min-time).
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
         if config.protocol == "https":
             credentials = grpc.ssl_channel_credentials(
@@ -291,7 +297,10 @@ class EtcdClient:
 
         member = self._members[self._current]
         end = time.monotonic() + timeout
-        responses = member.watch.Watch(requests(), **self._call_kwargs(timeout))
+        kwargs = self._call_kwargs(timeout)
+        # A member cut off from its leader ends the stream instead of going quiet.
+        kwargs["metadata"] = (*(kwargs["metadata"] or ()), ("hasleader", "true"))
+        responses = member.watch.Watch(requests(), **kwargs)
         try:
             for resp in responses:
                 if resp.compact_revision or resp.canceled:

@@ -38,6 +38,31 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._lease_id = 0
         self._renewed = 0.0
+        self._stopped = threading.Event()
+
+    def renew_in_background(self) -> None:
+        """Also renew the lease every ``ttl / 4`` in a daemon thread, until :meth:`stop_renewing`.
+
+        For writers that may go quiet for longer than ``ttl`` while their keys must stay.
+        """
+        thread = threading.Thread(target=self._renew_loop, name="etcd-lease-renewal", daemon=True)
+        thread.start()
+
+    def stop_renewing(self) -> None:
+        self._stopped.set()
+
+    def _renew_loop(self) -> None:
+        while not self._stopped.wait(self._ttl / 4):
+            with self._lock:
+                lease_id = self._lease_id
+            if not lease_id:
+                continue
+            try:
+                if self._client.refresh_lease(lease_id) > 0:
+                    with self._lock:
+                        self._renewed = time.monotonic()
+            except EtcdError as exc:
+                log.debug("lease_renewal_failed", lease=lease_id, error=str(exc))
 
     def run(self, write: Callable[[int], T]) -> T:
         """Call ``write(lease_id)``; if the lease expired meanwhile, take a new one and retry."""
@@ -68,11 +93,12 @@ class WatchedKey:
     longer. When the watch is broken, :meth:`read` goes to etcd.
     """
 
-    def __init__(self, client: EtcdClient, key: bytes, *, refresh: float = 10.0) -> None:
+    def __init__(self, client: EtcdClient, key: bytes, *, refresh: float = 60.0) -> None:
         self._client = client
         self._key = key
         self._refresh = refresh
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._value: KeyValue | None = None
         self._revision = 0  # of the newest change applied to the copy
         self._fresh_until = 0.0
@@ -88,6 +114,15 @@ class WatchedKey:
         self._offer(value, revision, fresh=False)
         return value
 
+    def wait_newer(self, revision: int, timeout: float) -> bool:
+        """Block until the copy is newer than ``revision`` (True) or ``timeout`` passed.
+
+        While the watch is broken the copy may lag, so callers bound ``timeout``
+        and re-read anyway.
+        """
+        with self._changed:
+            return self._changed.wait_for(lambda: self._revision > revision, timeout)
+
     def offer(self, value: KeyValue) -> None:
         """Apply our own successful write right away (the watch would, a moment later)."""
         self._offer(value, value.mod_revision, fresh=False)
@@ -102,6 +137,7 @@ class WatchedKey:
         with self._lock:
             if revision >= self._revision:
                 self._value, self._revision = value, revision
+                self._changed.notify_all()
             if fresh and not self._closed.is_set():
                 self._fresh_until = time.monotonic() + 1.5 * self._refresh
 
@@ -134,6 +170,7 @@ class WatchedKey:
                 self._closed.wait(0.5)
 
 
-def close_with(owner: object, watched: WatchedKey) -> None:
-    """Stop ``watched``'s thread when ``owner`` is garbage-collected."""
+def close_with(owner: object, watched: WatchedKey, lease: LeaseKeeper) -> None:
+    """Stop the threads of ``watched`` and ``lease`` when ``owner`` is garbage-collected."""
     weakref.finalize(owner, watched.close)
+    weakref.finalize(owner, lease.stop_renewing)

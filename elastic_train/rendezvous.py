@@ -20,6 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
+from torch.distributed import Store
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousHandler,
@@ -31,8 +32,10 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
+    RendezvousSettings,
     RendezvousTimeout,
     Token,
+    _NodeDesc,
 )
 
 from elastic_train import node_agent
@@ -47,6 +50,7 @@ from elastic_train.rendezvous_config import (
     RendezvousConfig,
     parse_config,
 )
+from elastic_train.rendezvous_ops import FastOpExecutor, WatchedStateHolder, round_ended
 
 __all__ = [
     "EtcdV3RendezvousBackend",
@@ -90,11 +94,15 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._name = name
         self._key = key.encode()
         self._lease = LeaseKeeper(client, ttl)
+        # Agents write the state only during a rendezvous, so a job that runs
+        # for longer than ttl without one must still keep its state key.
+        self._lease.renew_in_background()
         self._secret = secret
+        self._seen_revision = 0  # of the state last handed to the handler
         # torch's handler polls get_state about once a second per agent; a watched
         # copy answers those polls without a request while nothing changes.
         self._state = WatchedKey(client, self._key)
-        close_with(self, self._state)
+        close_with(self, self._state, self._lease)
 
     @property
     def name(self) -> str:
@@ -103,12 +111,19 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def close(self) -> None:
         """Stop watching the state key (reads still work, straight from etcd)."""
         self._state.close()
+        self._lease.stop_renewing()
 
     def get_state(self) -> tuple[bytes, Token] | None:
         current = self._etcd(self._state.read)
         if current is None:
+            self._seen_revision = 0
             return None
+        self._seen_revision = current.mod_revision
         return self._decode(current.value), current.mod_revision
+
+    def wait_for_change(self, timeout: float) -> bool:
+        """Block until the state is newer than the one last returned, or ``timeout``."""
+        return self._state.wait_newer(self._seen_revision, timeout)
 
     def set_state(
         self, state: bytes, token: Token | None = None
@@ -127,10 +142,13 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         )
         if written:
             self._state.offer(KeyValue(self._key, encoded, new_revision))
+            self._seen_revision = new_revision
             return state, new_revision, True
         if current is None:
+            self._seen_revision = 0
             return None
         self._state.offer(current)
+        self._seen_revision = current.mod_revision
         return self._decode(current.value), current.mod_revision, False
 
     def _etcd(self, request: Callable[[], T]) -> T:
@@ -208,21 +226,42 @@ def _create_backend(
 
 
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
-    """torch's handler, made to ride out etcd outages.
+    """torch's handler with the rules of :mod:`rendezvous_ops`, made to ride out etcd outages.
 
-    A rendezvous retries connection failures until ``join_timeout``; an etcd
-    outage while training runs is logged and otherwise ignored, because the
-    agent polls :meth:`num_nodes_waiting` and would stop the job on an error.
+    - A participant leaving a completed round ends it, so survivors of a failure
+      re-form at once; :meth:`num_nodes_waiting` reports the end of this node's
+      round, so that an agent whose workers still run restarts them too.
+    - No background heartbeats while training runs: an idle agent sends etcd
+      nothing (see ``rendezvous_ops``, rule 2).
+    - A rendezvous retries connection failures until ``join_timeout``; an etcd
+      outage while training runs is logged and otherwise ignored, because the
+      agent polls :meth:`num_nodes_waiting` and would stop the job on an error.
     """
 
-    _etcd_backend: EtcdV3RendezvousBackend | None = None
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        store: Store,
+        *,
+        backend: EtcdV3RendezvousBackend,
+    ) -> None:
+        state_holder = WatchedStateHolder(backend, settings)
+        super().__init__(node, settings, backend.name, store, state_holder)
+        self._op_executor = FastOpExecutor(node, state_holder, settings, changes=backend)
+        self._etcd_backend = backend
+        self._joined_round: int | None = None
+        self._reported_end: int | None = None
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._joined_round = None
         join_s = self.settings.timeout.join.total_seconds()
         deadline = time.monotonic() + join_s
         while True:
             try:
-                return super().next_rendezvous()
+                info = super().next_rendezvous()
+                self._joined_round = self._state_holder.state.round
+                return info
             except (RendezvousConnectionError, EtcdUnavailableError) as exc:
                 if not _is_outage(exc):
                     raise  # bad credentials or permissions: retrying cannot help
@@ -234,19 +273,30 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 log.warning("rendezvous_etcd_retry", run_id=self.settings.run_id, error=str(exc))
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
+    def _start_heartbeats(self) -> None:
+        """Nothing to do: participants of a completed round are not pruned (rule 2)."""
+
     def shutdown(self) -> bool:
         try:
             return super().shutdown()
         finally:
-            if self._etcd_backend is not None:
-                self._etcd_backend.close()
+            self._etcd_backend.close()
 
     def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join; at least 1 once this node's round has ended elsewhere."""
         try:
-            return super().num_nodes_waiting()
+            with self._heartbeat_lock:
+                self._state_holder.sync()
         except RendezvousConnectionError as exc:
             log.warning("rendezvous_etcd_unreachable", run_id=self.settings.run_id, error=str(exc))
             return 0
+        state = self._state_holder.state
+        if not round_ended(state, self._this_node, self._joined_round):
+            return len(state.wait_list)
+        if self._reported_end != self._joined_round:
+            self._reported_end = self._joined_round
+            log.info("rendezvous_round_ended_elsewhere", round=self._joined_round)
+        return max(1, len(state.wait_list))
 
 
 def _is_outage(exc: BaseException) -> bool:
@@ -274,18 +324,21 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
                                         runs clean themselves up
     secret_file             env         HMAC key file; default ``ELASTIC_TRAIN_RDZV_SECRET``
     join_timeout            600 s       also how long a rendezvous rides out an etcd outage
-    last_call_timeout       2 s [30]    survivors of a failure re-join within one 1 s poll
-                                        of each other; 2 s catches them all in one round
-    keep_alive_interval     1 s [5]     heartbeat period; a dead node is pruned after
-    keep_alive_max_attempt  3 [3]       interval x attempts = 3 s instead of 15 s (still
-                                        3 missed beats, tolerant of a stalled agent)
+    last_call_timeout       1 s [30]    survivors of a failure leave their round within
+                                        ~0.3 s of each other; 1 s gathers them in one
+                                        round (a fraction of a second is accepted)
+    keep_alive_interval     1 s [5]     heartbeat period while a rendezvous runs: a node
+    keep_alive_max_attempt  3 [3]       that dies mid-rendezvous is pruned after 3 s.
+                                        No heartbeats while training runs (see below)
     close_timeout           30 s        torch's default
     heartbeat_timeout       5 s         torch's default
     ======================  ==========  ==================================================
 
     With these, losing one node of three recovers in a few seconds instead of
-    about 46 s. Clusters of hundreds of agents should raise keep_alive_interval:
-    every heartbeat is a compare-and-swap of the one state key.
+    about 46 s: a participant that leaves a completed round ends it, so nobody
+    waits for the dead node's heartbeat to expire (:mod:`rendezvous_ops`).
+    While training runs an agent sends etcd almost nothing: no heartbeats, reads
+    from a watched copy of the state, and one lease renewal per ``ttl / 4``.
 
     The creator also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the
     environment sets it: with torch's shared TCPStore a node joining a running
@@ -302,18 +355,19 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         close=timedelta(seconds=settings.close_timeout),
         heartbeat=timedelta(seconds=settings.heartbeat_timeout),
     )
-    handler = EtcdV3RendezvousHandler.from_backend(
-        params.run_id,
+    handler = EtcdV3RendezvousHandler(
+        DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr),
+        RendezvousSettings(
+            params.run_id,
+            params.min_nodes,
+            params.max_nodes,
+            timeout,
+            keep_alive_interval=timedelta(seconds=settings.keep_alive_interval),
+            keep_alive_max_attempt=settings.keep_alive_max_attempt,
+        ),
         store,
-        backend,
-        params.min_nodes,
-        params.max_nodes,
-        params.local_addr,
-        timeout,
-        keep_alive_interval=settings.keep_alive_interval,
-        keep_alive_max_attempt=settings.keep_alive_max_attempt,
+        backend=backend,
     )
-    handler._etcd_backend = backend
     # wrap_handler configures the agent's logging, so log after it.
     wrapped = node_agent.wrap_handler(handler, params)
     if os.environ.setdefault(_SHARE_STORE_ENV, "1") == "1":

@@ -28,7 +28,7 @@ class HandlerSettings:
     """Settings of torch's handler; the defaults favour fast recovery (see create_handler)."""
 
     join_timeout: int = 600
-    last_call_timeout: int = 2
+    last_call_timeout: float = 1.0
     close_timeout: int = 30
     heartbeat_timeout: int = 5
     keep_alive_interval: int = 1
@@ -82,7 +82,7 @@ def parse_config(params: RendezvousParameters) -> RendezvousConfig:
     )
     handler = HandlerSettings(
         **{
-            name: _number(params, name, spec.default, int)
+            name: _number(params, name, spec.default, type(spec.default))
             for name, spec in HandlerSettings.__dataclass_fields__.items()
         }
     )

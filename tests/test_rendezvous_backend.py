@@ -126,12 +126,22 @@ def test_backend_name_is_the_requested_one(etcd_endpoint: str) -> None:
     assert create_backend(_params(etcd_endpoint))[0].name == "etcd-v3"
 
 
-def test_state_key_lives_under_a_lease(etcd_endpoint: str) -> None:
-    backend, _ = create_backend(_params(etcd_endpoint, ttl=2))
+def test_state_key_lives_under_a_lease_renewed_while_the_backend_is_open(
+    etcd_endpoint: str,
+) -> None:
+    params = _params(etcd_endpoint, ttl=2)
+    backend, _ = create_backend(params)
     backend.set_state(b"s")
-    deadline = time.monotonic() + 8
-    while backend.get_state() is not None:
-        assert time.monotonic() < deadline, "state key outlived its ttl"
+    written = time.monotonic()
+    reader, _ = create_backend(_same_run(params))
+    # No write for twice the ttl: agents write only during a rendezvous.
+    while time.monotonic() - written < 4:
+        assert reader.get_state() is not None, "the state key expired while its writer ran"
+        time.sleep(0.2)
+    backend.close()  # the writer goes away: nobody renews its lease
+    closed = time.monotonic()
+    while reader.get_state() is not None:
+        assert time.monotonic() - closed < 8, "state key outlived its ttl"
         time.sleep(0.2)
 
 

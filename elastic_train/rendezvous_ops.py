@@ -1,0 +1,183 @@
+"""The two rules in which our rendezvous departs from torch's dynamic rendezvous.
+
+torch's ``DynamicRendezvousHandler`` keeps a completed round alive until every
+participant has left it or been pruned for a stale heartbeat, and it polls the
+shared state once a second. After a node dies, the survivors therefore wait
+``keep_alive_interval x keep_alive_max_attempt`` for the dead node to be pruned,
+then ``last_call_timeout``, each rounded up to the next 1 s poll; and every agent
+rewrites the whole state once per ``keep_alive_interval`` while training runs.
+
+The rules here:
+
+1. **A participant that leaves a completed round ends it** (:class:`FastOpExecutor`).
+   A node leaves its round only when its workers have stopped, and DDP cannot
+   go on without them, so the round is over for everyone: the next round starts
+   at once, without waiting for the dead node's heartbeat to expire. Agents whose
+   workers have not failed yet see that their round ended
+   (:func:`round_ended`) and restart, as for a joining node.
+2. **Participants of a completed round are never pruned for a stale heartbeat**
+   (:class:`WatchedStateHolder`). Pruning them changed nothing that rule 1
+   does not already handle, and not needing their heartbeats lets the agents stay
+   silent while training runs (no background heartbeats: see
+   ``EtcdV3RendezvousHandler``). Nodes that are waiting or are joining a round
+   that is not complete yet still heartbeat and are still pruned, so a node that
+   dies during a rendezvous does not block it for longer than
+   ``keep_alive_interval x keep_alive_max_attempt``.
+
+And one mechanical change: instead of sleeping 1 s whenever it has to wait, the
+join loop wakes on the next change of the state key (the backend watches it) or
+at the moment the last call ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Protocol
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    _Action,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _RendezvousContext,
+    _RendezvousState,
+)
+
+from elastic_train.log import get_logger
+
+__all__ = ["ChangeWaiter", "FastOpExecutor", "WatchedStateHolder", "round_ended"]
+
+log = get_logger(__name__)
+
+#: The longest the join loop waits without re-reading (torch's fixed poll).
+_MAX_WAIT = 1.0
+
+
+class ChangeWaiter(Protocol):
+    def wait_for_change(self, timeout: float) -> bool:
+        """Block until the state changed since it was last read, or ``timeout`` passed."""
+
+
+def round_ended(state: _RendezvousState, node: _NodeDesc, joined_round: int | None) -> bool:
+    """Whether the round ``node`` joined (``joined_round``) has ended under rule 1."""
+    if joined_round is None:
+        return False
+    return state.round != joined_round or node not in state.participants
+
+
+class WatchedStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, reading on every sync (the backend serves a watched
+    copy, so a read costs etcd nothing) and applying rule 2 when it prunes."""
+
+    def __init__(self, backend: object, settings: RendezvousSettings) -> None:
+        super().__init__(backend, settings, cache_duration=0)  # type: ignore[arg-type]
+
+    def _sanitize(self) -> None:
+        state = self._state
+        if not state.complete:
+            super()._sanitize()
+            return
+        expire = datetime.now(timezone.utc) - (
+            self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        )
+        self._dead_nodes = [
+            node
+            for node, beat in state.last_heartbeats.items()
+            if beat < expire and node not in state.participants
+        ]
+        for node in self._dead_nodes:
+            del state.last_heartbeats[node]
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+
+
+class FastOpExecutor(_DistributedRendezvousOpExecutor):
+    """torch's executor with rule 1 and a join loop that waits for changes, not 1 s."""
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        state_holder: _BackendRendezvousStateHolder,
+        settings: RendezvousSettings,
+        *,
+        changes: ChangeWaiter,
+    ) -> None:
+        super().__init__(node, state_holder, settings)
+        self._changes = changes
+
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        action = None
+        while action != _Action.FINISH:
+            self._state_holder.sync()
+            self._state = self._state_holder.state
+            action = state_handler(
+                _RendezvousContext(self._node, self._state, self._settings), deadline
+            )
+            if action == _Action.FINISH:
+                continue
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError
+            if action == _Action.SYNC:
+                self._changes.wait_for_change(self._wait_seconds())
+                continue
+            self._apply(action)
+            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline is not None:
+                deadline = update_deadline(self._settings.timeout.join)
+            self._state_holder.mark_dirty()
+
+    def _apply(self, action: _Action) -> None:
+        handlers: dict[_Action, Callable[[], None]] = {
+            _Action.KEEP_ALIVE: self._keep_alive,
+            _Action.ADD_TO_PARTICIPANTS: self._add_to_participants,
+            _Action.ADD_TO_WAIT_LIST: self._add_to_wait_list,
+            _Action.ADD_TO_REDUNDANCY_LIST: self._add_to_redundancy_list,
+            _Action.REMOVE_FROM_PARTICIPANTS: self._remove_from_participants,
+            _Action.REMOVE_FROM_WAIT_LIST: self._remove_from_wait_list,
+            _Action.REMOVE_FROM_REDUNDANCY_LIST: self._remove_from_redundancy_list,
+            _Action.MARK_RENDEZVOUS_COMPLETE: self._mark_rendezvous_complete,
+            _Action.MARK_RENDEZVOUS_CLOSED: self._mark_rendezvous_closed,
+        }
+        handlers[action]()
+
+    def _wait_seconds(self) -> float:
+        """Until the next heartbeat is due or the last call ends, at most 1 s."""
+        now = datetime.now(timezone.utc)
+        wait = _MAX_WAIT
+        beat = self._state.last_heartbeats.get(self._node)
+        if beat is not None:
+            wait = min(wait, (beat + self._settings.keep_alive_interval - now).total_seconds())
+        if self._state.deadline is not None and self._node in self._state.participants:
+            wait = min(wait, (self._state.deadline - now).total_seconds())
+        return max(wait, 0.0) + 0.005  # just past the instant, so the next check passes
+
+    def _remove_from_participants(self) -> None:
+        state = self._state
+        if not state.complete:
+            state.last_heartbeats.setdefault(self._node, datetime.now(timezone.utc))
+            super()._remove_from_participants()
+            return
+        # Rule 1: the round is over for everyone; the others join the next one.
+        log.info(
+            "rendezvous_round_ended",
+            round=state.round,
+            left=f"{self._node.addr}_{self._node.pid}_{self._node.local_id}",
+            others=len(state.participants) - 1,
+        )
+        state.participants.clear()
+        state.last_heartbeats.pop(self._node, None)
+        state.complete = False
+        state.deadline = None
+        state.round += 1

@@ -1,0 +1,133 @@
+"""The rules of ``elastic_train.rendezvous_ops``, with real handlers against a real etcd.
+
+Each test is built so that torch's own semantics would fail it: the dead node's
+heartbeat would only expire after minutes, and idle agents would rewrite the
+state every second.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+
+from elastic_train import rendezvous
+from elastic_train.etcd_client import EtcdClient, EtcdClientConfig
+from elastic_train.etcd_server import EtcdServer
+
+#: A dead node would be pruned after 30 s x 3: far beyond every deadline below.
+SLOW_PRUNING = {"keep_alive_interval": 30, "keep_alive_max_attempt": 3}
+
+
+@pytest.fixture(autouse=True)
+def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+
+
+def _handlers(endpoint: str, count: int, **conf: object) -> list[RendezvousHandler]:
+    run_id = f"rules-{uuid.uuid4().hex[:8]}"
+    return [
+        rendezvous.create_handler(
+            RendezvousParameters(
+                "etcd-v3", endpoint, run_id, int(conf.pop("min_nodes", 2)), count,
+                **{"metrics_port": "off", "last_call_timeout": 1, **conf},
+            )
+        )
+        for _ in range(count)
+    ]  # fmt: skip
+
+
+def _join(handlers: list[RendezvousHandler], *, within: float) -> list[tuple[int, int]]:
+    """Run next_rendezvous on each handler in a thread; each one's (rank, world_size)."""
+    results: list[tuple[int, int] | BaseException | None] = [None] * len(handlers)
+
+    def join(i: int) -> None:
+        try:
+            info = handlers[i].next_rendezvous()
+            results[i] = (info.rank, info.world_size)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(len(handlers))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + within
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    assert all(r is not None for r in results), f"no round within {within} s: {results}"
+    return results  # type: ignore[return-value]
+
+
+def _poll(condition: Callable[[], bool], *, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        time.sleep(0.05)
+
+
+def test_survivors_re_form_without_waiting_for_the_dead_nodes_heartbeat(
+    etcd_endpoint: str,
+) -> None:
+    a, b, dead = _handlers(etcd_endpoint, 3, **SLOW_PRUNING)
+    assert sorted(_join([a, b, dead], within=30)) == [(0, 3), (1, 3), (2, 3)]
+    # `dead` never calls again (its agent was SIGKILLed). With torch's rule the
+    # survivors would wait 90 s for its heartbeat to expire.
+    assert sorted(_join([a, b], within=15)) == [(0, 2), (1, 2)]
+
+
+def test_an_agent_whose_workers_still_run_learns_that_its_round_ended(
+    etcd_endpoint: str,
+) -> None:
+    first, second = _handlers(etcd_endpoint, 2, **SLOW_PRUNING)
+    _join([first, second], within=30)
+    assert second.num_nodes_waiting() == 0
+    restarting = threading.Thread(target=first.next_rendezvous, daemon=True)
+    restarting.start()  # first's workers failed; second's have not noticed yet
+    _poll(lambda: second.num_nodes_waiting() >= 1, within=5, what="second sees its round end")
+    second_info = second.next_rendezvous()
+    restarting.join(15)
+    assert not restarting.is_alive()
+    assert second_info.world_size == 2
+
+
+def _etcd_requests(server: EtcdServer) -> float:
+    with urllib.request.urlopen(f"{server.client_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("grpc_server_msg_received_total")
+    )
+
+
+def test_idle_agents_send_etcd_nothing(tmp_path: Path) -> None:
+    server = EtcdServer(data_dir=tmp_path / "data", name="idle").start()
+    try:
+        handlers = _handlers(server.endpoint, 2, keep_alive_interval=1)
+        _join(handlers, within=30)
+        key = f"/elastic_train/{handlers[0].get_run_id()}/state".encode()
+        client = EtcdClient(EtcdClientConfig(endpoints=(server.endpoint,)))
+        revision = client.get(key)[0].mod_revision  # type: ignore[union-attr]
+        before = _etcd_requests(server)
+        # torchrun's monitor loop asks every 0.1 s; torch's handler would also
+        # rewrite the state once per keep_alive_interval (1 s here).
+        end = time.monotonic() + 3.5
+        while time.monotonic() < end:
+            assert [h.num_nodes_waiting() for h in handlers] == [0, 0]
+            time.sleep(0.1)
+        requests = _etcd_requests(server) - before
+        assert client.get(key)[0].mod_revision == revision  # type: ignore[union-attr]
+        assert requests <= 1, f"{requests} etcd requests from 2 idle agents in 3.5 s"
+        client.close()
+    finally:
+        server.stop()
