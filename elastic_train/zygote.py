@@ -1,0 +1,341 @@
+"""The node's zygote: a process that has imported torch and the trainer, and forks workers.
+
+:class:`ZygoteProcess` (agent side) starts it from the node agent and stops
+it with the agent; :func:`main` is the zygote itself; the launcher side is
+:mod:`elastic_train.warm_start`. One request per worker start:
+
+1. the launcher connects (``SOCK_SEQPACKET``) and sends argv, environment,
+   cwd, ``sys.path`` and its fds 0-2 (``SCM_RIGHTS``);
+2. the zygote checks that the worker would see what a cold start sees (same
+   main.py, interpreter, import-time environment, no threads to lose in the
+   fork), forks, and answers ``{"pid": ...}`` or ``{"declined": reason}``;
+3. the child adopts the request (own session, as torchrun's workers have) and
+   runs ``elastic_train.main``; the zygote sends the child's wait status to the
+   launcher when it is reaped.
+
+Either side going away ends the other: the zygote and the child each watch
+the launcher's end of the connection and SIGKILL the child on EOF (the zygote
+also reaches a child that is stopped or stuck holding the GIL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import io
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import psutil
+
+from elastic_train import warm_start
+
+__all__ = ["ZYGOTE_NAME", "ZygoteProcess", "main", "preload", "trainer_processes"]
+
+ZYGOTE_NAME = "et-zygote"
+SOCKET_NAME = "zygote.sock"
+#: seconds a connected launcher has to send its request
+REQUEST_TIMEOUT_S = 10.0
+#: torch._dynamo: the first optimizer construction imports it (about 1.5 s here)
+PRELOADED = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "elastic_train.main",
+)
+_PR_SET_PDEATHSIG = 1
+_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from elastic_train.zygote import main; main()"
+
+
+class ZygoteProcess:
+    """The agent's handle on its zygote: a private 0700 directory with the socket."""
+
+    def __init__(self, *, parent_dir: Path | None = None) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="elastic-train-warm-", dir=parent_dir))
+        self.socket_path = self.directory / SOCKET_NAME
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # Bound and listening before the zygote exists: a launcher that comes
+            # while it still imports waits in the backlog instead of starting cold.
+            listener.bind(str(self.socket_path))
+            listener.listen(64)
+            package_root = str(Path(__file__).resolve().parent.parent)
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _BOOT,
+                    package_root,
+                    str(listener.fileno()),
+                    str(os.getpid()),
+                ],
+                pass_fds=(listener.fileno(),),
+                stdin=subprocess.PIPE,  # EOF when this process is gone
+                start_new_session=True,  # a terminal's Ctrl-C goes to the agent, not here
+            )
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        finally:
+            listener.close()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the zygote (workers it forked keep running) and remove the directory."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def trainer_processes(agent: psutil.Process) -> list[psutil.Process]:
+    """The processes that train under a torchrun agent, whether started cold or warm.
+
+    A warm-started worker's PID (the one torchrun knows) is a launcher that
+    only waits; the training runs in the zygote's child that its name points at.
+    """
+    found = []
+    for child in agent.children():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+            name = child.name()
+            if name == ZYGOTE_NAME:
+                continue
+            prefix = warm_start.launcher_name(0)[:-1]
+            found.append(
+                psutil.Process(int(name[len(prefix) :])) if name.startswith(prefix) else child
+            )
+    return found
+
+
+def preload() -> None:
+    """Import what every worker imports, without starting threads or touching CUDA."""
+    for name in PRELOADED:
+        importlib.import_module(name)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The zygote: ``python -c _BOOT ROOT LISTEN_FD AGENT_PID``."""
+    listen_fd, agent_pid = (int(a) for a in (argv or sys.argv[1:])[-2:])
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != agent_pid:
+        os._exit(0)  # the agent died before the line above
+    warm_start.set_process_name(ZYGOTE_NAME)
+    listener = socket.socket(fileno=listen_fd)
+    # Before the imports, some of which set variables of their own (torch's inductor).
+    startup_env = warm_start.import_time_environ(os.environ)
+    preload()
+    # Objects that exist now are never collected, so a collection in a child does
+    # not write to (and copy) the pages it shares with the zygote.
+    gc.freeze()
+    _Server(listener, startup_env).serve()
+    os._exit(0)  # nothing to finalize; torch's teardown would only delay the agent's exit
+
+
+@dataclass
+class _Child:
+    pid: int
+    pidfd: int
+    conn: socket.socket
+
+
+class _Server:
+    def __init__(self, listener: socket.socket, startup_env: dict[str, str]) -> None:
+        self._listener = listener
+        self._startup_env = startup_env
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ, "accept")
+        self._selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "agent")
+        self._children: dict[int, _Child] = {}
+
+    def serve(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                kind = key.data if isinstance(key.data, str) else key.data[0]
+                if kind == "agent" and not os.read(key.fd, 4096):
+                    return  # the agent is gone; the children stay with their launchers
+                if kind == "accept":
+                    self._accept()
+                elif kind == "launcher":
+                    self._launcher_event(key.data[1])
+                elif kind == "exited":
+                    self._reap(key.data[1])
+
+    def _accept(self) -> None:
+        conn, _ = self._listener.accept()
+        fds: list[int] = []
+        try:
+            conn.settimeout(REQUEST_TIMEOUT_S)
+            message, fds, flags, _ = socket.recv_fds(conn, warm_start.MAX_MESSAGE_BYTES, 3)
+            request = json.loads(message)
+            problem = _refusal(
+                request,
+                fds,
+                self._startup_env,
+                truncated=bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)),
+            )
+            if problem:
+                conn.send(json.dumps({"declined": problem}).encode())
+                conn.close()
+                return
+            conn.settimeout(None)
+            child = self._fork(request, conn, fds)
+            conn.send(json.dumps({"pid": child.pid}).encode())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"elastic_train zygote: a request failed: {exc!r}", file=sys.stderr)
+            conn.close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _fork(self, request: dict[str, Any], conn: socket.socket, fds: list[int]) -> _Child:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # nothing of ours may surface in the worker's output
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self._close_in_child()
+                _become_worker(request, conn, fds)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+        child = _Child(pid=pid, pidfd=os.pidfd_open(pid), conn=conn)
+        self._children[pid] = child
+        self._selector.register(child.pidfd, selectors.EVENT_READ, ("exited", child))
+        self._selector.register(conn, selectors.EVENT_READ, ("launcher", child))
+        return child
+
+    def _launcher_event(self, child: _Child) -> None:
+        """The launcher sends nothing after its request: readable means it is gone."""
+        with contextlib.suppress(OSError):
+            if child.conn.recv(1):
+                return
+        self._selector.unregister(child.conn)
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+
+    def _reap(self, child: _Child) -> None:
+        _, status = os.waitpid(child.pid, 0)
+        with contextlib.suppress(OSError):
+            child.conn.send(json.dumps({"status": status}).encode())
+        self._selector.unregister(child.pidfd)
+        with contextlib.suppress(KeyError):
+            self._selector.unregister(child.conn)
+        os.close(child.pidfd)
+        child.conn.close()
+        del self._children[child.pid]
+
+    def _close_in_child(self) -> None:
+        self._selector.close()
+        self._listener.close()
+        for other in self._children.values():
+            os.close(other.pidfd)
+            other.conn.close()
+
+
+def _refusal(
+    request: dict[str, Any], fds: list[int], ours: dict[str, str], *, truncated: bool
+) -> str | None:
+    """Why this zygote cannot start the worker as a cold start would, or None."""
+    import elastic_train.main as entry
+
+    theirs = warm_start.import_time_environ(request["env"])
+    differing = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if truncated or len(fds) != 3:
+        return "the request or its file descriptors arrived incomplete"
+    if os.path.realpath(entry.__file__) != request["main_file"]:
+        return f"the zygote runs {entry.__file__}, the worker {request['main_file']}"
+    if request["interpreter"] != warm_start.interpreter_fingerprint():
+        return "the worker's Python interpreter or its flags differ from the zygote's"
+    if differing:
+        return f"import-time environment variables differ from the zygote's: {differing}"
+    if threading.active_count() != 1:
+        return f"the zygote has {threading.active_count()} threads; a fork would lose them"
+    if not os.path.isdir(request["cwd"]):
+        return f"the working directory {request['cwd']} is gone"
+    return None
+
+
+def _become_worker(request: dict[str, Any], conn: socket.socket, fds: list[int]) -> NoReturn:
+    """In the forked child: take over the launcher's identity and run the trainer."""
+    os.setsid()  # torchrun starts each worker in its own session
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    _reopen_stdio(unbuffered=request["unbuffered"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv[:] = request["argv"]
+    sys.path[:] = request["path"]
+    import elastic_train.main as entry
+
+    sys.modules["__main__"] = entry  # what a cold start runs as __main__
+    if "numpy" in sys.modules:  # seeded from the OS at import: one state for every child
+        sys.modules["numpy"].random.seed()
+    warm_start.set_process_name(Path(sys.executable).name)
+    threading.Thread(
+        target=_die_with_launcher, args=(conn,), name="warm-start-watch", daemon=True
+    ).start()
+    from elastic_train.log import configure_logging, get_logger
+
+    configure_logging()  # main() configures it again from the job's config
+    get_logger(__name__).info(
+        "warm_start_forked",
+        launcher_pid=request["launcher_pid"],
+        handover_seconds=round(time.time() - request["sent_at"], 3),
+    )
+    entry.exit_now(entry._main_exit_code())
+
+
+def _reopen_stdio(*, unbuffered: bool) -> None:
+    """stdin/stdout/stderr on the adopted descriptors, buffered as CPython does at start-up."""
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        buffer: Any = (
+            io.BufferedReader(raw) if fd == 0 else raw if unbuffered else io.BufferedWriter(raw)
+        )
+        stream = io.TextIOWrapper(
+            buffer,
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=not unbuffered and (fd == 2 or raw.isatty()),
+            write_through=unbuffered,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _die_with_launcher(conn: socket.socket) -> None:
+    """Blocks until the launcher's end closes, then ends this worker: no orphan may train on."""
+    with contextlib.suppress(OSError):
+        while conn.recv(1):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
