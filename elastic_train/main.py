@@ -22,6 +22,14 @@ if __name__ == "__main__" and not __package__:
     # name. Put the directory that contains the package there instead.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+if __name__ == "__main__":
+    # Before torch is imported: where the node agent runs a zygote, a forked
+    # child that has imported it all already becomes this worker, and this
+    # process only relays signals and its exit (docs/warm-start.md).
+    from elastic_train.warm_start import hand_over
+
+    hand_over(__file__)  # returns only to start cold
+
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
