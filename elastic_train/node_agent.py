@@ -21,10 +21,18 @@ rdzv-conf key      environment variable             default
                                                     ``off`` serves nothing
 ``metrics_host``   ``ELASTIC_TRAIN_METRICS_HOST``   ``0.0.0.0`` (all interfaces)
 ``metrics_dir``    ``ELASTIC_TRAIN_METRICS_DIR``    the system temporary directory
+``warm_start``     ``ELASTIC_TRAIN_WARM_START``     ``1`` on Linux, else ``0``; also
+                                                    ``true``/``false``/``on``/``off``
 =================  ===============================  =================================
 
 ``metrics_dir`` is the *parent* of the per-run directory; only the per-run
 directory, which this process made, is ever deleted.
+
+With ``warm_start`` on, the agent also starts the node's zygote
+(:mod:`elastic_train.zygote`): a child process that has imported torch and the
+trainer, from which each worker start forks instead of importing all of it
+again (``docs/warm-start.md``). Its socket is in a private per-run directory
+exported to the workers as ``ELASTIC_TRAIN_WARM_START_SOCKET``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import atexit
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -45,7 +54,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from elastic_train import metrics
+from elastic_train import metrics, warm_start
 from elastic_train.errors import ConfigError
 from elastic_train.log import (
     bind_context,
@@ -53,6 +62,7 @@ from elastic_train.log import (
     get_logger,
     register_secret,
 )
+from elastic_train.zygote import ZygoteProcess
 
 __all__ = ["RDZV_CONF_KEYS", "MetricsEndpoint", "MetricsEndpointConfig", "wrap_handler"]
 
@@ -69,7 +79,7 @@ log = get_logger(__name__)
 
 DEFAULT_PORT = 9402
 #: The ``--rdzv-conf`` keys read here; a backend that validates its keys accepts these.
-RDZV_CONF_KEYS = frozenset({"metrics_port", "metrics_host", "metrics_dir"})
+RDZV_CONF_KEYS = frozenset({"metrics_port", "metrics_host", "metrics_dir", "warm_start"})
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
 
 
@@ -87,20 +97,39 @@ class MetricsEndpointConfig:
     ) -> MetricsEndpointConfig:
         """From a ``RendezvousParameters``' config (rdzv-conf), falling back to ``environ``."""
 
-        def setting(key: str) -> str | None:
-            value = params.config.get(key)
-            return str(value) if value is not None else environ.get(f"ELASTIC_TRAIN_{key.upper()}")
-
         port, host, parent = (
-            setting("metrics_port"),
-            setting("metrics_host"),
-            setting("metrics_dir"),
+            _setting(params, "metrics_port", environ),
+            _setting(params, "metrics_host", environ),
+            _setting(params, "metrics_dir", environ),
         )
         return cls(
             port=DEFAULT_PORT if port is None else parse_metrics_port(port),
             host=host or cls.host,
             parent_dir=Path(parent) if parent else None,
         )
+
+
+def _setting(params: RendezvousParameters, key: str, environ: Mapping[str, str]) -> str | None:
+    """An rdzv-conf key's value, else its ``ELASTIC_TRAIN_<KEY>`` variable, else None."""
+    value = params.config.get(key)
+    return str(value) if value is not None else environ.get(f"ELASTIC_TRAIN_{key.upper()}")
+
+
+def warm_start_enabled(
+    params: RendezvousParameters, environ: Mapping[str, str] = os.environ
+) -> bool:
+    """The ``warm_start`` setting; on by default where it works (Linux)."""
+    text = _setting(params, "warm_start", environ)
+    if text is None:
+        return sys.platform == "linux"
+    try:
+        enabled = warm_start.parse_warm_start(text)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if enabled and sys.platform != "linux":
+        log.warning("warm_start_unsupported", platform=sys.platform, hint="Linux only")
+        return False
+    return enabled
 
 
 def parse_metrics_port(text: str) -> int | None:
@@ -194,6 +223,27 @@ def _endpoint_once(config: MetricsEndpointConfig, *, run_id: str) -> MetricsEndp
     return _endpoint
 
 
+_zygote: ZygoteProcess | None = None
+
+
+def _zygote_once(enabled: bool) -> None:
+    """One zygote per agent process; a zygote that cannot start only costs speed."""
+    global _zygote
+    if not enabled:
+        log.info("warm_start_disabled")
+        return
+    if _zygote is not None:
+        return
+    try:
+        _zygote = ZygoteProcess()
+    except OSError as exc:
+        log.warning("warm_start_unavailable", reason=str(exc))
+        return
+    atexit.register(_zygote.close)
+    os.environ[warm_start.SOCKET_ENV] = str(_zygote.socket_path)
+    log.info("warm_start_zygote_started", pid=_zygote.pid, socket=str(_zygote.socket_path))
+
+
 class _TimedRendezvous:
     """Wraps ``next_rendezvous``: counts and times rounds and restarts.
 
@@ -251,6 +301,8 @@ def wrap_handler(handler: RendezvousHandler, params: RendezvousParameters) -> Re
     bind_context(run_id=params.run_id, node=node)
     if _endpoint_once(config, run_id=params.run_id) is None:
         log.info("metrics_endpoint_disabled")
+    # After the endpoint: the zygote's imports must see PROMETHEUS_MULTIPROC_DIR.
+    _zygote_once(warm_start_enabled(params))
     metrics.MIN_NODES.labels(node).set(params.min_nodes)
     metrics.MAX_NODES.labels(node).set(params.max_nodes)
     # An instance attribute shadows the method: the handler keeps its type and

@@ -204,7 +204,8 @@ def _exit_like(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code in FORWARDED_SIGNALS:  # ours relays it; the others are at their default
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         code = 128 - code  # a signal whose default action does not end the process
     os._exit(code)

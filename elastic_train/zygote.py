@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -66,7 +66,9 @@ _BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from elastic_train.zygote 
 class ZygoteProcess:
     """The agent's handle on its zygote: a private 0700 directory with the socket."""
 
-    def __init__(self, *, parent_dir: Path | None = None) -> None:
+    def __init__(
+        self, *, parent_dir: Path | None = None, environ: Mapping[str, str] | None = None
+    ) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="elastic-train-warm-", dir=parent_dir))
         self.socket_path = self.directory / SOCKET_NAME
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -84,8 +86,10 @@ class ZygoteProcess:
                     package_root,
                     str(listener.fileno()),
                     str(os.getpid()),
+                    str(self.directory),
                 ],
                 pass_fds=(listener.fileno(),),
+                env=environ,  # None: this process's, as the workers' will be
                 stdin=subprocess.PIPE,  # EOF when this process is gone
                 start_new_session=True,  # a terminal's Ctrl-C goes to the agent, not here
             )
@@ -138,24 +142,30 @@ def preload() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The zygote: ``python -c _BOOT ROOT LISTEN_FD AGENT_PID``."""
-    listen_fd, agent_pid = (int(a) for a in (argv or sys.argv[1:])[-2:])
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != agent_pid:
+    """The zygote: ``python -c _BOOT ROOT LISTEN_FD AGENT_PID DIRECTORY``."""
+    fd, agent_pid, directory = (argv or sys.argv[1:])[-3:]
+    _set_parent_death_signal(signal.SIGKILL)  # also while importing, deaf to the pipe
+    if os.getppid() != int(agent_pid):
         os._exit(0)  # the agent died before the line above
     warm_start.set_process_name(ZYGOTE_NAME)
-    listener = socket.socket(fileno=listen_fd)
+    listener = socket.socket(fileno=int(fd))
     # Before the imports, some of which set variables of their own (torch's inductor).
     startup_env = warm_start.import_time_environ(os.environ)
     preload()
     # Objects that exist now are never collected, so a collection in a child does
     # not write to (and copy) the pages it shares with the zygote.
     gc.freeze()
+    # From here the agent's pipe tells: unlike a signal, it lets us clean up.
+    _set_parent_death_signal(0)
     _Server(listener, startup_env).serve()
+    shutil.rmtree(directory, ignore_errors=True)
     os._exit(0)  # nothing to finalize; torch's teardown would only delay the agent's exit
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 @dataclass

@@ -1,0 +1,248 @@
+"""Warm worker start: a real zygote forks real trainers; real signals; real torchrun agents."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from trainer_procs import TINY_JOB
+
+from elastic_train import node_agent
+from elastic_train.audit import AuditTail
+from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
+from elastic_train.rendezvous_config import parse_config
+from elastic_train.warm_start import SOCKET_ENV, launcher_name
+from elastic_train.zygote import ZygoteProcess, trainer_processes
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN = REPO / "elastic_train" / "main.py"
+#: steps of 0.05 s at least, so a signal lands mid-run on any machine
+PACED = ("model.name=tests.paced_model:paced_mlp", "model.options.seconds=0.05")
+
+
+def _params(**conf: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="etcd-v3", endpoint="127.0.0.1:2379", run_id="r", min_nodes=1, max_nodes=2, **conf
+    )
+
+
+def test_warm_start_key_is_parsed_like_the_other_node_agent_keys() -> None:
+    assert "warm_start" in node_agent.RDZV_CONF_KEYS
+    parse_config(_params(warm_start="0"))  # the backend accepts the key
+    enabled = node_agent.warm_start_enabled
+    assert enabled(_params(), {}) is (sys.platform == "linux")
+    assert enabled(_params(warm_start="0"), {}) is False
+    assert enabled(_params(), {"ELASTIC_TRAIN_WARM_START": "off"}) is False
+    # The rdzv-conf key wins over the environment, as for every node_agent key.
+    assert enabled(_params(warm_start="1"), {"ELASTIC_TRAIN_WARM_START": "0"}) is (
+        sys.platform == "linux"
+    )
+    with pytest.raises(ConfigError, match=r"warm_start='maybe'.*expected one of 1, 0, true"):
+        enabled(_params(warm_start="maybe"), {})
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
+    proc = ZygoteProcess(parent_dir=tmp_path_factory.mktemp("zygote"), environ=_env(None))
+    yield proc
+    proc.close()
+    assert not proc.directory.exists()
+
+
+def _env(socket_path: Path | str | None) -> dict[str, str]:
+    """A worker's environment; the zygote gets the same, less the socket (as from an agent)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RANK"))}
+    env |= {"OMP_NUM_THREADS": "1", "ELASTIC_TRAIN_NODE": "node0"}
+    env.pop(SOCKET_ENV, None)
+    if socket_path is not None:
+        env[SOCKET_ENV] = str(socket_path)
+    return env
+
+
+def _launch(
+    socket_path: Path | str | None, run: Path, *overrides: str, stderr: Path | None = None
+) -> subprocess.Popen[str]:
+    """main.py as torchrun starts it (``python -u``), with the node agent's socket variable."""
+    args = [f"--{o}" for o in (*TINY_JOB, *overrides)]
+    args += [f"--checkpoint.dir={run / 'ckpt'}", f"--logging.audit_dir={run / 'audit'}"]
+    with open(stderr or run.with_suffix(".err"), "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-u", str(MAIN), *args],
+            env=_env(socket_path),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+
+
+def _events(path: Path, name: str) -> list[dict]:
+    lines = [line for line in path.read_text().splitlines() if line.startswith("{")]
+    return [e for e in map(json.loads, lines) if e.get("event") == name]
+
+
+def _warm_child(zygote: ZygoteProcess, launcher: subprocess.Popen[str]) -> psutil.Process:
+    """The zygote's child that trains for ``launcher`` (polled: the launcher names it)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, "the launcher exited before its child was forked"
+        for proc in trainer_processes(psutil.Process()):
+            if proc.ppid() == zygote.pid:
+                assert psutil.Process(launcher.pid).name() == launcher_name(proc.pid)
+                return proc
+        time.sleep(0.05)
+    raise AssertionError("no warm child within 60 s")
+
+
+def _wait_for_step(audit: Path, step: int, proc: subprocess.Popen[str]) -> int:
+    tail, deadline = AuditTail(audit), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        steps = [getattr(r, "step", 0) for r in tail.poll()]
+        if steps and max(steps) >= step:
+            return max(steps)
+        assert proc.poll() is None, "the worker exited early"
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within 60 s")
+
+
+@pytest.mark.slow
+def test_preload_starts_no_thread_and_leaves_cuda_alone() -> None:
+    code = (
+        "import json, sys, threading, torch\n"
+        "from elastic_train.zygote import preload\n"
+        "preload()\n"
+        "print(json.dumps({'threads': threading.active_count(),\n"
+        "    'cuda': torch.cuda.is_initialized(), 'dynamo': 'torch._dynamo' in sys.modules,\n"
+        "    'trainer': 'elastic_train.train' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    facts = json.loads(out.stdout)
+    assert facts == {"threads": 1, "cuda": False, "dynamo": True, "trainer": True}
+
+
+@pytest.mark.slow
+def test_a_forked_worker_trains_exactly_like_a_cold_start(
+    zygote: ZygoteProcess, tmp_path: Path
+) -> None:
+    """The same job warm and cold (the fallback for a dead socket): the same parameters."""
+    warm = _launch(zygote.socket_path, tmp_path / "warm", "training.steps=6")
+    dead = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stale:
+        stale.bind(str(dead))  # a socket file nobody listens on: connection refused
+    cold = _launch(dead, tmp_path / "cold", "training.steps=6")
+    assert (warm.wait(120), cold.wait(120)) == (0, 0)
+    (forked,) = _events(tmp_path / "warm.err", "warm_start_forked")
+    assert forked["launcher_pid"] == warm.pid
+    (trainer_file,) = (tmp_path / "warm" / "audit").glob("worker-*.jsonl")
+    assert trainer_file.stem != f"worker-node0-{warm.pid}"  # the zygote's child trained
+    (fallback,) = _events(tmp_path / "cold.err", "warm_start_unavailable")
+    assert "ConnectionRefusedError" in fallback["reason"]
+    assert not _events(tmp_path / "cold.err", "warm_start_forked")
+    params = [
+        torch.load(tmp_path / run / "audit" / "final_params.pt", weights_only=True)
+        for run in ("warm", "cold")
+    ]
+    assert params[0].keys() == params[1].keys()
+    for name in params[0]:
+        assert torch.equal(params[0][name], params[1][name]), name
+
+
+@pytest.mark.slow
+def test_the_launcher_exits_with_the_childs_code_or_signal(
+    zygote: ZygoteProcess, tmp_path: Path
+) -> None:
+    bad = _launch(zygote.socket_path, tmp_path / "bad", "training.global_batch_size=0")
+    assert bad.wait(60) == EXIT_CONFIG_ERROR
+    assert _events(tmp_path / "bad.err", "warm_start_forked")
+    long = _launch(zygote.socket_path, tmp_path / "long", *PACED, "training.steps=100000")
+    child = _warm_child(zygote, long)
+    child.kill()
+    assert long.wait(30) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_the_launcher_preempts_the_child_with_no_lost_step(
+    zygote: ZygoteProcess, tmp_path: Path, sig: signal.Signals
+) -> None:
+    run = tmp_path / "run"
+    launcher = _launch(
+        zygote.socket_path, run, *PACED, "training.steps=100000",
+        "checkpoint.interval_steps=100000", "logging.level=INFO",
+    )  # fmt: skip
+    _wait_for_step(run / "audit", 3, launcher)
+    launcher.send_signal(sig)
+    assert launcher.wait(60) == 0, (tmp_path / "run.err").read_text()[-3000:]
+    (stop,) = _events(tmp_path / "run.err", "worker_exit_after_preemption")
+    assert stop["reason"] == "preempted"
+    tail = AuditTail(run / "audit")
+    last = max(getattr(r, "step", 0) for r in tail.poll())
+    saved = [int(p.parent.name.split("-")[1]) for p in (run / "ckpt").glob("step-*/MANIFEST.json")]
+    assert saved == [last]  # the last completed step is on disk
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "sigstopped"])
+def test_a_killed_launcher_takes_its_child_along(
+    zygote: ZygoteProcess, tmp_path: Path, stopped: bool
+) -> None:
+    """No orphan trains on: the child watches its launcher, and the zygote reaches
+    a child that cannot watch (stopped, or stuck holding the GIL)."""
+    launcher = _launch(zygote.socket_path, tmp_path / "run", *PACED, "training.steps=100000")
+    child = _warm_child(zygote, launcher)
+    _wait_for_step(tmp_path / "run" / "audit", 1, launcher)
+    if stopped:
+        child.suspend()
+    killed = time.monotonic()
+    launcher.kill()
+    launcher.wait()
+    _, alive = psutil.wait_procs([child], timeout=5)
+    assert not alive, f"the child outlived its launcher by 5 s (stopped={stopped})"
+    print(f"child gone {time.monotonic() - killed:.3f}s after its launcher's SIGKILL")
+
+
+def _parent_of_a_zygote(tmp_path: Path, *, wait_ready: bool) -> tuple[subprocess.Popen, dict]:
+    """A process that starts a zygote (as the agent does), says where, then idles."""
+    code = (
+        "import json, socket, sys, time\n"
+        "from pathlib import Path\n"
+        "from elastic_train.zygote import ZygoteProcess\n"
+        f"z = ZygoteProcess(parent_dir=Path({str(tmp_path)!r}))\n"
+        f"if {wait_ready}:\n"  # an empty request is declined, once the zygote serves
+        "    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:\n"
+        "        s.connect(str(z.socket_path)); s.send(b'{}'); s.recv(4096)\n"
+        "print(json.dumps({'pid': z.pid, 'dir': str(z.directory)}), flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    return parent, json.loads(parent.stdout.readline())
+
+
+@pytest.mark.slow
+def test_the_zygote_dies_with_its_parent(tmp_path: Path) -> None:
+    """While importing (PR_SET_PDEATHSIG) and while serving (its stdin pipe closes,
+    and it removes its socket directory)."""
+    for wait_ready in (False, True):
+        parent, zygote = _parent_of_a_zygote(tmp_path, wait_ready=wait_ready)
+        try:
+            proc = psutil.Process(zygote["pid"])
+            parent.kill()
+            parent.wait()
+            _, alive = psutil.wait_procs([proc], timeout=5)
+            assert not alive, f"the zygote outlived its parent (ready={wait_ready})"
+        finally:
+            parent.kill()
+        if wait_ready:
+            assert not Path(zygote["dir"]).exists()
