@@ -31,6 +31,8 @@ at the moment the last call ends.
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
@@ -57,6 +59,19 @@ log = get_logger(__name__)
 
 #: The longest the join loop waits without re-reading (torch's fixed poll).
 _MAX_WAIT = 1.0
+#: Seconds over which woken nodes spread their re-reads.
+_WAKE_SPREAD = 0.02
+#: Largest backoff after losing compare-and-swaps, seconds.
+_MAX_BACKOFF = 0.2
+
+
+def _backoff(conflicts: int) -> None:
+    """Randomized, growing pause after ``conflicts`` lost compare-and-swaps in a row.
+
+    All nodes of a round write the one state key; without a pause the losers
+    retry in lock step and lose again (seen with 64 agents).
+    """
+    time.sleep(random.uniform(0, min(_MAX_BACKOFF, 0.005 * 2**conflicts)))
 
 
 class ChangeWaiter(Protocol):
@@ -118,8 +133,14 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         update_deadline: Callable[[timedelta], float] | None = None,
     ) -> None:
         action = None
+        conflicts = 0
         while action != _Action.FINISH:
-            self._state_holder.sync()
+            written = self._state_holder.sync()
+            if written is False:  # another node wrote first
+                conflicts += 1
+                _backoff(conflicts)
+                continue  # the state is the winner's now; decide again
+            conflicts = 0 if written else conflicts
             self._state = self._state_holder.state
             action = state_handler(
                 _RendezvousContext(self._node, self._state, self._settings), deadline
@@ -131,7 +152,10 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError
             if action == _Action.SYNC:
-                self._changes.wait_for_change(self._wait_seconds())
+                if self._changes.wait_for_change(self._wait_seconds()):
+                    # Every waiting node wakes on each change; spreading the
+                    # re-reads lets one read cover the changes that follow.
+                    time.sleep(random.uniform(0, _WAKE_SPREAD))
                 continue
             self._apply(action)
             if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline is not None:
