@@ -28,7 +28,8 @@ rdzv-conf key      environment variable             default
 ``metrics_dir`` is the *parent* of the per-run directory; only the per-run
 directory, which this process made, is ever deleted.
 
-With ``warm_start`` on, the agent also starts the node's zygote
+With ``warm_start`` on, an agent whose command line runs ``elastic_train/main.py``
+(by path or ``-m elastic_train.main``) also starts the node's zygote
 (:mod:`elastic_train.zygote`): a child process that has imported torch and the
 trainer, from which each worker start forks instead of importing all of it
 again (``docs/warm-start.md``). Its socket is in a private per-run directory
@@ -44,7 +45,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -226,13 +227,19 @@ def _endpoint_once(config: MetricsEndpointConfig, *, run_id: str) -> MetricsEndp
 _zygote: ZygoteProcess | None = None
 
 
-def _zygote_once(enabled: bool) -> None:
+def _zygote_once(enabled: bool, argv: Sequence[str]) -> None:
     """One zygote per agent process; a zygote that cannot start only costs speed."""
     global _zygote
-    if not enabled:
-        log.info("warm_start_disabled")
-        return
     if _zygote is not None:
+        return
+    if not enabled:
+        log.info("warm_start_disabled", reason="warm_start=0")
+        return
+    if not runs_our_trainer(argv):
+        # Another script has no use for it; nor has a process that creates
+        # handlers itself (tests, the rendezvous benchmark): no import of torch
+        # to pay for, no socket variable left in its environment.
+        log.info("warm_start_disabled", reason="the workers do not run elastic_train/main.py")
         return
     try:
         _zygote = ZygoteProcess()
@@ -242,6 +249,14 @@ def _zygote_once(enabled: bool) -> None:
     atexit.register(_zygote.close)
     os.environ[warm_start.SOCKET_ENV] = str(_zygote.socket_path)
     log.info("warm_start_zygote_started", pid=_zygote.pid, socket=str(_zygote.socket_path))
+
+
+def runs_our_trainer(argv: Sequence[str]) -> bool:
+    """Whether a torchrun command line starts ``elastic_train/main.py`` (by path or ``-m``)."""
+    main = Path(__file__).with_name("main.py").resolve()
+    return "elastic_train.main" in argv or any(
+        Path(arg).resolve() == main for arg in argv if arg.endswith("main.py")
+    )
 
 
 class _TimedRendezvous:
@@ -302,7 +317,7 @@ def wrap_handler(handler: RendezvousHandler, params: RendezvousParameters) -> Re
     if _endpoint_once(config, run_id=params.run_id) is None:
         log.info("metrics_endpoint_disabled")
     # After the endpoint: the zygote's imports must see PROMETHEUS_MULTIPROC_DIR.
-    _zygote_once(warm_start_enabled(params))
+    _zygote_once(warm_start_enabled(params), sys.argv)
     metrics.MIN_NODES.labels(node).set(params.min_nodes)
     metrics.MAX_NODES.labels(node).set(params.max_nodes)
     # An instance attribute shadows the method: the handler keeps its type and

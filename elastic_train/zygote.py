@@ -49,6 +49,7 @@ __all__ = ["ZYGOTE_NAME", "ZygoteProcess", "main", "preload", "trainer_processes
 
 ZYGOTE_NAME = "et-zygote"
 SOCKET_NAME = "zygote.sock"
+DIRECTORY_PREFIX = "elastic-train-warm-"
 #: seconds a connected launcher has to send its request
 REQUEST_TIMEOUT_S = 10.0
 #: torch._dynamo: the first optimizer construction imports it (about 1.5 s here)
@@ -60,6 +61,19 @@ PRELOADED = (
     "elastic_train.main",
 )
 _PR_SET_PDEATHSIG = 1
+_REQUEST_KEYS = frozenset(
+    {
+        "main_file",
+        "argv",
+        "env",
+        "cwd",
+        "path",
+        "unbuffered",
+        "interpreter",
+        "launcher_pid",
+        "sent_at",
+    }
+)
 _BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from elastic_train.zygote import main; main()"
 
 
@@ -69,7 +83,8 @@ class ZygoteProcess:
     def __init__(
         self, *, parent_dir: Path | None = None, environ: Mapping[str, str] | None = None
     ) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="elastic-train-warm-", dir=parent_dir))
+        _remove_stale_directories(Path(parent_dir or tempfile.gettempdir()))
+        self.directory = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX, dir=parent_dir))
         self.socket_path = self.directory / SOCKET_NAME
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -114,6 +129,25 @@ class ZygoteProcess:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _remove_stale_directories(parent: Path) -> None:
+    """Remove the directories of zygotes that were SIGKILLed with their agent.
+
+    A zygote removes its directory when its agent exits; a node killed as a
+    whole cannot. A socket that no process holds any more is missing from the
+    kernel's table of unix sockets.
+    """
+    try:
+        table = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return
+    held = {line.split()[-1] for line in table if len(line.split()) == 8}
+    for directory in parent.glob(f"{DIRECTORY_PREFIX}*"):
+        sock = directory / SOCKET_NAME
+        with contextlib.suppress(OSError):  # another agent may remove it meanwhile
+            if sock.is_socket() and sock.stat().st_uid == os.getuid() and str(sock) not in held:
+                shutil.rmtree(directory)
 
 
 def trainer_processes(agent: psutil.Process) -> list[psutil.Process]:
@@ -276,14 +310,14 @@ def _refusal(
     """Why this zygote cannot start the worker as a cold start would, or None."""
     import elastic_train.main as entry
 
-    theirs = warm_start.import_time_environ(request["env"])
-    differing = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-    if truncated or len(fds) != 3:
+    if truncated or len(fds) != 3 or not request.keys() >= _REQUEST_KEYS:
         return "the request or its file descriptors arrived incomplete"
     if os.path.realpath(entry.__file__) != request["main_file"]:
         return f"the zygote runs {entry.__file__}, the worker {request['main_file']}"
     if request["interpreter"] != warm_start.interpreter_fingerprint():
         return "the worker's Python interpreter or its flags differ from the zygote's"
+    theirs = warm_start.import_time_environ(request["env"])
+    differing = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
     if differing:
         return f"import-time environment variables differ from the zygote's: {differing}"
     if threading.active_count() != 1:

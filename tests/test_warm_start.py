@@ -23,7 +23,7 @@ from elastic_train.audit import AuditTail
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.rendezvous_config import parse_config
 from elastic_train.warm_start import SOCKET_ENV, launcher_name
-from elastic_train.zygote import ZygoteProcess, trainer_processes
+from elastic_train.zygote import ZygoteProcess, _remove_stale_directories, trainer_processes
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = REPO / "elastic_train" / "main.py"
@@ -50,6 +50,13 @@ def test_warm_start_key_is_parsed_like_the_other_node_agent_keys() -> None:
     )
     with pytest.raises(ConfigError, match=r"warm_start='maybe'.*expected one of 1, 0, true"):
         enabled(_params(warm_start="maybe"), {})
+
+
+def test_only_an_agent_whose_workers_run_our_main_starts_a_zygote() -> None:
+    assert node_agent.runs_our_trainer(["torchrun", "--nnodes=1:2", str(MAIN), "--x=1"])
+    assert node_agent.runs_our_trainer(["torchrun", "-m", "elastic_train.main"])
+    assert not node_agent.runs_our_trainer(["torchrun", str(REPO / "tests/scripts/ddp_minimal.py")])
+    assert not node_agent.runs_our_trainer(sys.argv)  # a process that creates handlers itself
 
 
 @pytest.fixture(scope="module")
@@ -231,18 +238,58 @@ def _parent_of_a_zygote(tmp_path: Path, *, wait_ready: bool) -> tuple[subprocess
 
 
 @pytest.mark.slow
-def test_the_zygote_dies_with_its_parent(tmp_path: Path) -> None:
+def test_the_zygote_dies_with_its_parent(zygote: ZygoteProcess, tmp_path: Path) -> None:
     """While importing (PR_SET_PDEATHSIG) and while serving (its stdin pipe closes,
-    and it removes its socket directory)."""
+    and it removes its socket directory). The next zygote removes what one
+    killed while importing left, and nothing of a live one."""
+    directories = []
     for wait_ready in (False, True):
-        parent, zygote = _parent_of_a_zygote(tmp_path, wait_ready=wait_ready)
+        parent, started = _parent_of_a_zygote(tmp_path, wait_ready=wait_ready)
         try:
-            proc = psutil.Process(zygote["pid"])
+            proc = psutil.Process(started["pid"])
             parent.kill()
             parent.wait()
             _, alive = psutil.wait_procs([proc], timeout=5)
             assert not alive, f"the zygote outlived its parent (ready={wait_ready})"
         finally:
             parent.kill()
-        if wait_ready:
-            assert not Path(zygote["dir"]).exists()
+        directories.append(Path(started["dir"]))
+    # The second zygote's start removed the first's; the second removed its own.
+    assert not any(d.exists() for d in directories)
+    _remove_stale_directories(zygote.directory.parent)
+    assert zygote.socket_path.is_socket()  # a live zygote's stays
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
+    tmp_path: Path,
+) -> None:
+    """``elastic-train local`` (etcd backend, warm start by default): node1 is killed and
+    joins again; every worker start of every node goes through its node's zygote."""
+    summary_path = tmp_path / "summary.json"
+    command = [
+        sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2",
+        "--chaos", "kill:1@step6,join:1@step12", "--json", str(summary_path),
+        "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "150",
+        "--metrics-port", "0", "--data.name=synthetic", "--data.num_samples=96",
+        "--training.global_batch_size=16", "--training.steps=36",
+        "--checkpoint.interval_steps=4", "--model.name=tests.paced_model:paced_mlp",
+        "--model.options.seconds=0.1",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200)
+    assert summary_path.is_file(), proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["completed"] and summary["final_step"] == 36, summary
+    assert summary["exactly_once"], summary["exactly_once_detail"]
+    assert [(r["kind"], r["world_size_after"]) for r in summary["recoveries"]] == [
+        ("kill", 1),
+        ("join", 2),
+    ]
+    logs = {p.stem: p for p in (tmp_path / "run" / "logs").glob("node*.log")}
+    starts = {node: len(_events(path, "process_group_ready")) for node, path in logs.items()}
+    forked = {node: len(_events(path, "warm_start_forked")) for node, path in logs.items()}
+    # node0: the first start, the restart without node1, the restart with it again;
+    # node1: its first start and its start after the join (killed in between).
+    assert starts == forked == {"node0": 3, "node1": 2}, (starts, forked)
+    assert not any(_events(path, "warm_start_unavailable") for path in logs.values())
