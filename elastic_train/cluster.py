@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from elastic_train import proctree
+from elastic_train import proctree, zygote
 from elastic_train.chaos import ChaosEvent, node_count, validate_schedule
 from elastic_train.config import parse_cli
 from elastic_train.errors import ClusterError, ConfigError
@@ -338,7 +338,7 @@ class LocalCluster:
 
     def _stop_one_worker(self, node: Node, agent: psutil.Process) -> str | None:
         try:
-            workers = sorted(agent.children(), key=lambda p: p.pid)
+            workers = sorted(zygote.trainer_processes(agent), key=lambda p: p.pid)
         except psutil.NoSuchProcess:
             return None
         if not workers:

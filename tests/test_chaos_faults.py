@@ -26,6 +26,7 @@ from elastic_train.cluster import ClusterSpec, LocalCluster
 from elastic_train.errors import EXIT_HANG
 from elastic_train.etcd_server import EtcdCluster, EtcdServer
 from elastic_train.local import Delivery, Summary, summarize
+from elastic_train.zygote import trainer_processes
 
 TESTS_DIR = Path(__file__).resolve().parent
 JOB = (
@@ -291,7 +292,7 @@ def _etcd_cluster(root: Path) -> EtcdCluster:
 
 def _worker_of(cluster: LocalCluster, node: int) -> psutil.Process:
     agent = psutil.Process(cluster.nodes[node].proc.pid)
-    (worker,) = agent.children()
+    (worker,) = trainer_processes(agent)  # the zygote's child where started warm
     return worker
 
 
