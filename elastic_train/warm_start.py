@@ -123,7 +123,11 @@ class _SignalRelay:
             signal.pidfd_send_signal(self._pidfd, signum)
 
     def attach(self, pid: int) -> None:
-        self._pidfd = os.pidfd_open(pid)
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already exited: its status is on the way
+            self._pending.clear()
+            return
         for signum in self._pending:
             self._handle(signum, None)
         self._pending.clear()
@@ -148,13 +152,20 @@ def hand_over(main_file: str) -> None:
     relay = _SignalRelay()
     try:
         conn, pid = _request(path, main_file)
-        relay.attach(pid)
     except Exception as exc:  # whatever went wrong, a cold start still works
         relay.restore()
         _log_fallback(path, exc)
         return
+    relay.attach(pid)
     set_process_name(launcher_name(pid))
-    _exit_like(_wait_for_exit(conn))
+    outcome = _wait_for_exit(conn)
+    if isinstance(outcome, str):  # the child failed before running anything of the worker
+        conn.close()
+        set_process_name(os.path.basename(sys.executable))
+        relay.restore()
+        _log_fallback(path, WarmStartUnavailable(outcome))
+        return
+    _exit_like(outcome)
 
 
 def _request(path: str, main_file: str) -> tuple[socket.socket, int]:
@@ -186,11 +197,17 @@ def _request(path: str, main_file: str) -> tuple[socket.socket, int]:
         raise
 
 
-def _wait_for_exit(conn: socket.socket) -> int:
-    """The child's exit code, or minus the signal that ended it (like ``Popen.returncode``)."""
+def _wait_for_exit(conn: socket.socket) -> int | str:
+    """The child's exit code, minus the signal that ended it (like ``Popen.returncode``),
+    or why it could not become the worker (then nothing of the worker ran)."""
     message = conn.recv(MAX_MESSAGE_BYTES)
     if message:
-        return os.waitstatus_to_exitcode(json.loads(message)["status"])
+        outcome = json.loads(message)
+        return (
+            outcome["fallback"]
+            if "fallback" in outcome
+            else os.waitstatus_to_exitcode(outcome["status"])
+        )
     # The zygote died before the child (its agent is gone): the status is lost.
     from elastic_train.log import configure_logging_if_unconfigured, get_logger
 

@@ -35,11 +35,11 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from types import ModuleType
+from typing import Any
 
 import psutil
 
@@ -237,26 +237,21 @@ class _Server:
         try:
             conn.settimeout(REQUEST_TIMEOUT_S)
             message, fds, flags, _ = socket.recv_fds(conn, warm_start.MAX_MESSAGE_BYTES, 3)
-            request = json.loads(message)
-            problem = _refusal(
-                request,
-                fds,
-                self._startup_env,
-                truncated=bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)),
-            )
-            if problem:
+            if message:  # else the launcher gave up before we got to it
+                truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+                request = json.loads(message)
+                problem = _refusal(request, fds, self._startup_env, truncated=truncated)
+                if problem is None:
+                    conn.settimeout(None)
+                    self._fork(request, conn, fds)
+                    return  # the connection is the child's now
                 conn.send(json.dumps({"declined": problem}).encode())
-                conn.close()
-                return
-            conn.settimeout(None)
-            child = self._fork(request, conn, fds)
-            conn.send(json.dumps({"pid": child.pid}).encode())
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError) as exc:
             print(f"elastic_train zygote: a request failed: {exc!r}", file=sys.stderr)
-            conn.close()
         finally:
             for fd in fds:
                 os.close(fd)
+        conn.close()
 
     def _fork(self, request: dict[str, Any], conn: socket.socket, fds: list[int]) -> _Child:
         for stream in (sys.stdout, sys.stderr):
@@ -265,15 +260,20 @@ class _Server:
         if pid == 0:
             try:
                 self._close_in_child()
-                _become_worker(request, conn, fds)
-            except BaseException:
-                traceback.print_exc()
-            finally:
+                entry = _adopt(request, conn, fds)
+            except BaseException as exc:
+                # Nothing of the worker has run: the launcher starts it cold instead.
+                reason = {"fallback": f"the forked child could not take over: {exc!r}"}
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps(reason).encode())
                 os._exit(1)
+            entry.exit_now(entry._main_exit_code())
         child = _Child(pid=pid, pidfd=os.pidfd_open(pid), conn=conn)
         self._children[pid] = child
         self._selector.register(child.pidfd, selectors.EVENT_READ, ("exited", child))
         self._selector.register(conn, selectors.EVENT_READ, ("launcher", child))
+        with contextlib.suppress(OSError):  # a launcher gone meanwhile: its EOF ends the child
+            conn.send(json.dumps({"pid": pid}).encode())
         return child
 
     def _launcher_event(self, child: _Child) -> None:
@@ -304,13 +304,12 @@ class _Server:
             other.conn.close()
 
 
-def _refusal(
-    request: dict[str, Any], fds: list[int], ours: dict[str, str], *, truncated: bool
-) -> str | None:
+def _refusal(request: Any, fds: list[int], ours: dict[str, str], *, truncated: bool) -> str | None:
     """Why this zygote cannot start the worker as a cold start would, or None."""
     import elastic_train.main as entry
 
-    if truncated or len(fds) != 3 or not request.keys() >= _REQUEST_KEYS:
+    complete = isinstance(request, dict) and request.keys() >= _REQUEST_KEYS
+    if truncated or len(fds) != 3 or not complete:
         return "the request or its file descriptors arrived incomplete"
     if os.path.realpath(entry.__file__) != request["main_file"]:
         return f"the zygote runs {entry.__file__}, the worker {request['main_file']}"
@@ -327,8 +326,8 @@ def _refusal(
     return None
 
 
-def _become_worker(request: dict[str, Any], conn: socket.socket, fds: list[int]) -> NoReturn:
-    """In the forked child: take over the launcher's identity and run the trainer."""
+def _adopt(request: dict[str, Any], conn: socket.socket, fds: list[int]) -> ModuleType:
+    """In the forked child: take over the launcher's identity; returns the entry module."""
     os.setsid()  # torchrun starts each worker in its own session
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -355,7 +354,7 @@ def _become_worker(request: dict[str, Any], conn: socket.socket, fds: list[int])
         launcher_pid=request["launcher_pid"],
         handover_seconds=round(time.time() - request["sent_at"], 3),
     )
-    entry.exit_now(entry._main_exit_code())
+    return entry
 
 
 def _reopen_stdio(*, unbuffered: bool) -> None:

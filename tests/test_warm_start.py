@@ -22,7 +22,7 @@ from elastic_train import node_agent
 from elastic_train.audit import AuditTail
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.rendezvous_config import parse_config
-from elastic_train.warm_start import SOCKET_ENV, launcher_name
+from elastic_train.warm_start import SOCKET_ENV, interpreter_fingerprint, launcher_name
 from elastic_train.zygote import ZygoteProcess, _remove_stale_directories, trainer_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,6 +176,27 @@ def test_the_launcher_exits_with_the_childs_code_or_signal(
     child = _warm_child(zygote, long)
     child.kill()
     assert long.wait(30) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_a_child_that_cannot_take_over_sends_its_launcher_back_to_a_cold_start(
+    zygote: ZygoteProcess, tmp_path: Path
+) -> None:
+    """The child fails before running anything of the worker (here: a variable the
+    OS refuses): the launcher hears why, not an exit code, and starts cold."""
+    request = {
+        "main_file": os.path.realpath(MAIN), "argv": [str(MAIN)], "cwd": str(tmp_path),
+        "env": {**_env(None), "NOT_AN_ENV_VALUE": "a\0b"}, "path": sys.path,
+        "unbuffered": True, "interpreter": interpreter_fingerprint(), "launcher_pid": 1,
+        "sent_at": time.time(),
+    }  # fmt: skip
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn, open(os.devnull) as null:
+        conn.settimeout(60)
+        conn.connect(str(zygote.socket_path))
+        socket.send_fds(conn, [json.dumps(request).encode()], [null.fileno()] * 3)
+        assert "pid" in json.loads(conn.recv(65536))
+        assert "embedded null byte" in json.loads(conn.recv(65536))["fallback"]
+        assert os.waitstatus_to_exitcode(json.loads(conn.recv(65536))["status"]) == 1
 
 
 @pytest.mark.slow
