@@ -342,6 +342,7 @@ def _adopt(request: dict[str, Any], conn: socket.socket, fds: list[int]) -> Modu
     sys.modules["__main__"] = entry  # what a cold start runs as __main__
     if "numpy" in sys.modules:  # seeded from the OS at import: one state for every child
         sys.modules["numpy"].random.seed()
+    tempfile.tempdir = None  # chosen from the zygote's TMPDIR if an import asked already
     warm_start.set_process_name(Path(sys.executable).name)
     threading.Thread(
         target=_die_with_launcher, args=(conn,), name="warm-start-watch", daemon=True

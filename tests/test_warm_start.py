@@ -78,15 +78,15 @@ def _env(socket_path: Path | str | None) -> dict[str, str]:
 
 
 def _launch(
-    socket_path: Path | str | None, run: Path, *overrides: str, stderr: Path | None = None
+    socket_path: Path | str | None, run: Path, *overrides: str, **extra_env: str
 ) -> subprocess.Popen[str]:
     """main.py as torchrun starts it (``python -u``), with the node agent's socket variable."""
     args = [f"--{o}" for o in (*TINY_JOB, *overrides)]
     args += [f"--checkpoint.dir={run / 'ckpt'}", f"--logging.audit_dir={run / 'audit'}"]
-    with open(stderr or run.with_suffix(".err"), "w") as err:
+    with open(run.with_suffix(".err"), "w") as err:
         return subprocess.Popen(
             [sys.executable, "-u", str(MAIN), *args],
-            env=_env(socket_path),
+            env=_env(socket_path) | extra_env,
             stdout=subprocess.PIPE,
             stderr=err,
             stdin=subprocess.DEVNULL,
@@ -172,6 +172,16 @@ def test_the_launcher_exits_with_the_childs_code_or_signal(
     bad = _launch(zygote.socket_path, tmp_path / "bad", "training.global_batch_size=0")
     assert bad.wait(60) == EXIT_CONFIG_ERROR
     assert _events(tmp_path / "bad.err", "warm_start_forked")
+    # An exception: torchrun's @record error file, written by the child, names it.
+    error_file = tmp_path / "error.json"
+    crash = _launch(
+        zygote.socket_path, tmp_path / "crash", "model.name=tests.paced_model:paced_mlp",
+        "model.options.seconds=abc", TORCHELASTIC_ERROR_FILE=str(error_file),
+    )  # fmt: skip
+    assert crash.wait(60) == 1
+    assert _events(tmp_path / "crash.err", "warm_start_forked")
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert "could not convert string to float: 'abc'" in message
     long = _launch(zygote.socket_path, tmp_path / "long", *PACED, "training.steps=100000")
     child = _warm_child(zygote, long)
     child.kill()
