@@ -2,8 +2,9 @@
 
 :class:`LoopGuards` bundles the preemption handler (stop at an agreed step,
 save, leave) and the hang watchdog; :func:`build_eval_set` picks the
-evaluation data. The loop in ``train.py`` calls :meth:`LoopGuards.after_step`
-once per optimizer step on every rank.
+evaluation data. The loop in ``train.py`` adds :meth:`PreemptionHandler.flag`
+to its per-step all-reduce and calls :meth:`LoopGuards.after_step` with the
+result once per optimizer step on every rank.
 """
 
 from __future__ import annotations
@@ -49,11 +50,17 @@ class LoopGuards:
             self.watchdog.start()
         return self
 
-    def after_step(self, step: int) -> StopReason | None:
-        """Record progress; whether every rank stops now (a collective)."""
+    def after_step(self, step: int, *, signalled: bool | None) -> StopReason | None:
+        """Record progress; whether every rank stops now.
+
+        ``signalled`` is the all-reduced preemption flag when the ranks agreed
+        after this step (see :meth:`PreemptionHandler.flag`), else None.
+        """
         if self.watchdog is not None:
             self.watchdog.step_done(step)
-        return self.preemption.poll(step)
+        if signalled is None:
+            return None
+        return self.preemption.decide(step, signalled=signalled)
 
     def settle(self, reason: StopReason) -> StopReason:
         """The reason to exit with, once the stop step is saved: a signal that

@@ -16,10 +16,16 @@ A slot is ``[4 KiB header][tensor bytes][skeleton]``. The skeleton is JSON of
 the state with each tensor replaced by a reference into the tensor bytes, so a
 snapshot costs one memcpy per tensor rather than a full serialization, and
 reading one back never unpickles anything. A save erases the header of the
-slot HEAD does *not* name, copies skeleton and tensors, computes a crc32,
-writes the header (magic, step, sizes, crc32, fingerprint) and only then flips
-HEAD. A process killed at any point leaves HEAD naming a complete slot; a slot
-without a header or whose checksum fails is never used.
+slot HEAD does *not* name, copies skeleton and tensors, computes a checksum,
+writes the header (magic, step, sizes, checksum, fingerprint) and only then
+flips HEAD. A process killed at any point leaves HEAD naming a complete slot; a
+slot without a header or whose checksum fails is never used.
+
+The checksum is the wrapping sum of the slot's 64-bit words: one vectorized
+pass over the state, about 10x cheaper than crc32, which a per-step snapshot
+on a small model cannot afford (crc32 alone was 5 % of a 3 ms step). It
+detects what it is for, a slot that mixes bytes of two saves or was damaged
+afterwards; the header-last order is what keeps a torn slot from being used.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from elastic_train.restore import (
     decide,
     restore_newest,
 )
-from elastic_train.state_io import checksum, decode_state, dtype_from_name, encode_state
+from elastic_train.state_io import decode_state, dtype_from_name, encode_state
 
 __all__ = [
     "Agreement",
@@ -66,14 +72,25 @@ log = get_logger(__name__)
 HEADER_BYTES = 4096
 _ZEROS = bytes(HEADER_BYTES)
 _GRANULE = 1 << 16  # slot files grow in 64 KiB steps
-MAGIC = b"ETSNAP3\n"
-ALGORITHM = "crc32"  # detects torn writes; tmpfs has no bit rot to guard against
+MAGIC = b"ETSNAP4\n"
+ALGORITHM = "sum64"
 _ALIGN = 64
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def _aligned(n: int, align: int = _ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def _sum64(region: torch.Tensor) -> str:
+    """The wrapping sum of the 64-bit words of a uint8 region (its length a multiple of 8)."""
+    total = int(region.view(torch.int64).sum().item())
+    return f"{total & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _slot_end(data_bytes: int, blob_bytes: int) -> int:
+    """Where a slot's checksummed bytes end: the blob is zero-padded to whole words."""
+    return HEADER_BYTES + data_bytes + _aligned(blob_bytes, 8)
 
 
 @dataclass
@@ -92,20 +109,38 @@ class _Flat(NamedTuple):
     data_bytes: int  # the tensor bytes, aligned; the blob follows them
 
 
-def _flatten(state: dict) -> _Flat:
+class _Tables:
+    """The tensor table of the last save, reused while the tensors keep their
+    dtypes and shapes, i.e. every step of a run: rebuilding it cost a third of
+    a snapshot's Python time on a small model."""
+
+    def __init__(self) -> None:
+        self.key: list[tuple[torch.dtype, torch.Size]] | None = None
+        self.table: list[list[Any]] = []
+        self.json = "[]"
+        self.data_bytes = 0
+
+    def lookup(self, tensors: list[torch.Tensor]) -> tuple[list[list[Any]], str, int]:
+        key = [(tensor.dtype, tensor.shape) for tensor in tensors]
+        if key != self.key:
+            table, offset = [], 0
+            for dtype, shape in key:
+                nbytes = shape.numel() * dtype.itemsize
+                table.append([str(dtype).removeprefix("torch."), list(shape), offset, nbytes])
+                offset = _aligned(offset + nbytes)
+            self.key, self.table, self.json, self.data_bytes = key, table, json.dumps(table), offset
+        return self.table, self.json, self.data_bytes
+
+
+def _flatten(state: dict, tables: _Tables) -> _Flat:
     tensors: list[torch.Tensor] = []
     try:
         skeleton = encode_state(state, tensors)
     except CheckpointError as exc:
         raise SnapshotError(str(exc)) from exc
-    table, offset = [], 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        table.append([dtype, list(tensor.shape), offset, nbytes])
-        offset = _aligned(offset + nbytes)
-    blob = json.dumps({"skeleton": skeleton, "table": table}).encode()
-    return _Flat(blob, tensors, table, offset)
+    table, table_json, data_bytes = tables.lookup(tensors)
+    blob = f'{{"table": {table_json}, "skeleton": {json.dumps(skeleton)}}}'.encode()
+    return _Flat(blob, tensors, table, data_bytes)
 
 
 def _file_size(path: Path) -> int:
@@ -125,7 +160,7 @@ class _Mapping:
     def targets_for(self, table: list[list[Any]]) -> list[torch.Tensor]:
         # The layout is the same from one step to the next, so the views are
         # built once and each save is one copy_ per tensor.
-        if self.layout != table or self.targets is None:
+        if self.layout is not table or self.targets is None:
             self.targets = [
                 self.region[HEADER_BYTES + offset : HEADER_BYTES + offset + nbytes]
                 .view(dtype_from_name(dtype))
@@ -160,6 +195,9 @@ class SnapshotStore:
         self._maps: dict[int, _Mapping] = {}
         self._head: tuple[int, int] | None = None  # (slot, step) this writer last flipped to
         self._lock_fd: int | None = None
+        self._head_fd: int | None = None
+        self._pending: tuple[int, int] | None = None  # (slot, step) written, not yet in HEAD
+        self._tables = _Tables()
         if is_writer:
             self._make_private_directory()
 
@@ -189,41 +227,60 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, state: dict) -> None:
-        """Snapshot ``state`` as ``step``; synchronous, one memcpy per tensor.
+    def save(self, step: int, state: dict, *, commit: bool = True) -> None:
+        """Snapshot ``state`` as ``step``; synchronous, one copy of the tensor bytes.
 
-        Raises ``SnapshotError`` when it does not fit or the write fails; the
-        previous snapshot stays valid, and the trainer should stop
-        snapshotting and rely on disk checkpoints. Non-writers return at once.
+        With ``commit=False`` the slot is complete but HEAD still names the
+        previous snapshot until :meth:`commit`: a caller that must first learn
+        whether the step may be published (every rank recorded it) writes the
+        bytes while it waits. Raises ``SnapshotError`` when it does not fit or
+        the write fails; the previous snapshot stays valid, and the trainer
+        should stop snapshotting and rely on disk checkpoints. Non-writers
+        return at once.
         """
         if not self.is_writer:
             return
         start = time.perf_counter()
-        flat = _flatten(state)
+        flat = _flatten(state, self._tables)
         if self._head is None:
             self._head = self._read_head()
         current = self._head
         slot = 1 - current[0] if current else 0
         blob_start = HEADER_BYTES + flat.data_bytes
-        end = blob_start + len(flat.blob)
+        end = _slot_end(flat.data_bytes, len(flat.blob))
         try:
             mapping = self._slot_for_write(slot, end, active=current[0] if current else None)
             with torch.no_grad():
-                for target, tensor in zip(
-                    mapping.targets_for(flat.table), flat.tensors, strict=True
-                ):
-                    target.copy_(tensor)
-            mapping.mm[blob_start:end] = flat.blob
-            digest = checksum(memoryview(mapping.mm)[HEADER_BYTES:end], ALGORITHM)
+                # One call for all tensors: a Python loop of copy_ cost as much as the bytes.
+                torch._foreach_copy_(mapping.targets_for(flat.table), flat.tensors)
+            mapping.mm[blob_start:end] = flat.blob.ljust(end - blob_start, b"\0")
+            digest = _sum64(mapping.region[HEADER_BYTES:end])
             mapping.mm[:HEADER_BYTES] = self._header(step, flat, digest)
-            self._flip_head(slot, step)
+            self._pending = (slot, step)
+            if commit:
+                self.commit()
         except OSError as exc:
+            self._pending = None
             log.error("snapshot_write_failed", step=step, error=str(exc), errno=exc.errno)
             raise SnapshotError(
                 f"writing the snapshot of step {step} to {self.directory} failed: {exc}; "
                 "the previous snapshot is intact"
             ) from exc
         self.last_stats = SnapshotStats(step, time.perf_counter() - start, end)
+
+    def commit(self) -> None:
+        """Publish the slot the last ``save(commit=False)`` wrote; a no-op without one."""
+        if self._pending is None:
+            return
+        slot, step = self._pending
+        self._pending = None
+        try:
+            self._flip_head(slot, step)
+        except OSError as exc:
+            raise SnapshotError(
+                f"publishing the snapshot of step {step} in {self.directory} failed: {exc}; "
+                "the previous snapshot is intact"
+            ) from exc
 
     def _check_fits(self, size: int, *, active: int | None) -> None:
         active_size = _file_size(self._slot_path(active)) if active is not None else 0
@@ -291,13 +348,13 @@ class SnapshotStore:
         return header.ljust(HEADER_BYTES, b" ")
 
     def _flip_head(self, slot: int, step: int) -> None:
-        partial = self.directory / "HEAD.tmp"
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, json.dumps({"slot": slot, "step": step}).encode())
-        finally:
-            os.close(fd)
-        os.replace(partial, self.directory / "HEAD")
+        # A fixed-width record written over the previous one: one syscall where
+        # a rename costs four, and a kill cannot tear a write this small (it
+        # completes inside the syscall). Readers never race the writer: they
+        # read at a (re)start, before the new writer's first save.
+        if self._head_fd is None:
+            self._head_fd = os.open(self.directory / "HEAD", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.pwrite(self._head_fd, f'{{"slot": {slot}, "step": {step:20d}}}\n'.encode(), 0)
         self._head = (slot, step)
 
     # ----------------------------------------------------------------- loading
@@ -327,11 +384,12 @@ class SnapshotStore:
             raise SnapshotError(f"{path}: no header (torn or never completed)")
         try:
             header = json.loads(bytes(raw[len(MAGIC) : HEADER_BYTES]))
-            end = HEADER_BYTES + header["data_bytes"] + header["blob_bytes"]
+            end = _slot_end(header["data_bytes"], header["blob_bytes"])
             digest = header[ALGORITHM]
         except (ValueError, KeyError, TypeError) as exc:
             raise SnapshotError(f"{path}: unreadable header ({exc})") from exc
-        if len(raw) < end or checksum(memoryview(raw)[HEADER_BYTES:end], ALGORITHM) != digest:
+        region = torch.frombuffer(raw, dtype=torch.uint8)[HEADER_BYTES:end]
+        if len(raw) < end or _sum64(region) != digest:
             raise SnapshotError(f"{path}: data does not match its header (torn write)")
         if header.get("fingerprint") != self.fingerprint:
             raise SnapshotError(
@@ -344,14 +402,22 @@ class SnapshotStore:
         head = self._read_head()
         if head is None:
             return None
-        # HEAD names the current slot; the other holds an older step and is
-        # used only if the current one is damaged.
-        for slot in (head[0], 1 - head[0]):
-            try:
-                return self._read_slot(slot)
-            except SnapshotError as exc:
-                log.warning("snapshot_slot_invalid", slot=slot, reason=str(exc))
-        return None
+        # HEAD names the current slot. The other is used only if the current
+        # one is damaged, and only if it is older: a newer one was written but
+        # never committed (save(commit=False)), so no one vouched for it.
+        try:
+            return self._read_slot(head[0])
+        except SnapshotError as exc:
+            log.warning("snapshot_slot_invalid", slot=head[0], reason=str(exc))
+        try:
+            header, raw = self._read_slot(1 - head[0])
+        except SnapshotError as exc:
+            log.warning("snapshot_slot_invalid", slot=1 - head[0], reason=str(exc))
+            return None
+        if header["step"] >= head[1]:
+            log.warning("snapshot_slot_uncommitted", slot=1 - head[0], step=header["step"])
+            return None
+        return header, raw
 
     def latest_step(self) -> int | None:
         """The step of the newest complete, checksum-verified snapshot on this node."""
@@ -391,6 +457,9 @@ class SnapshotStore:
         """Release the mappings and the writer lock; the snapshot stays for the next restart."""
         for slot in list(self._maps):
             self._unmap(slot)
+        if self._head_fd is not None:
+            os.close(self._head_fd)
+            self._head_fd = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

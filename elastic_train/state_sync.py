@@ -96,13 +96,17 @@ class NodeSnapshots:
         self._last_call: float | None = None
         self._last_cost = 0.0
 
-    def after_step(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+    def after_step(
+        self, step: int, state: Callable[[], dict[str, Any]], *, commit: bool = True
+    ) -> None:
         """Snapshot ``state()`` of the step just completed when one is due.
 
-        Called after the step's preemption poll: when the poll all-reduces
-        (every step at the default ``elastic.preemption_check_every = 1``),
-        every rank has recorded the step by then, so a snapshot never holds a
-        step that some rank's audit record lacks.
+        A snapshot may be published only once every rank has written its
+        audit record of the step, i.e. after a collective that each rank
+        enters after writing it: the next step's gradient all-reduce, or the
+        step's own agreement (``train.Agreement``) at check steps. The trainer
+        writes the bytes at once (``commit=False``) and calls :meth:`commit`
+        after that collective.
         """
         if not self.enabled:
             return
@@ -114,10 +118,9 @@ class NodeSnapshots:
             return
         interval = self.cadence.interval
         try:
-            self.store.save(step, state())
+            self.store.save(step, state(), commit=commit)
         except SnapshotError as exc:
-            self.enabled = False
-            log.error("snapshot_disabled", step=step, error=str(exc), fallback="disk checkpoints")
+            self._disable(step, exc)
             return
         self._last_cost = time.perf_counter() - now
         self.cadence.observe_snapshot(step, self._last_cost)
@@ -127,6 +130,19 @@ class NodeSnapshots:
                 snapshot_ms=round(1000 * (self.cadence.snapshot_seconds or 0), 3),
                 step_ms=round(1000 * (self.cadence.step_seconds or 0), 3),
             )  # fmt: skip
+
+    def commit(self, step: int) -> None:
+        """Publish the snapshot that ``after_step(step, ..., commit=False)`` wrote, if any."""
+        if not self.enabled:
+            return
+        try:
+            self.store.commit()
+        except SnapshotError as exc:
+            self._disable(step, exc)
+
+    def _disable(self, step: int, exc: SnapshotError) -> None:
+        self.enabled = False
+        log.error("snapshot_disabled", step=step, error=str(exc), fallback="disk checkpoints")
 
     def close(self, *, completed: bool) -> None:
         """Release the store; a completed run's snapshot is removed (the writer does it)."""

@@ -93,7 +93,7 @@ class Trainer:
 class StepStats:
     step: int
     epoch: int
-    loss: float  # mean per-sample loss over the global batch
+    loss: float | None  # mean per-sample loss over the global batch, at check steps
     samples: int  # size of the global batch
     seconds: float
     lr: float
@@ -297,8 +297,9 @@ def optimizer_step(t: Trainer) -> None:
     t.optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(t: Trainer, batch: list[int], shard: list[int]) -> float:
-    """One world-size-invariant optimizer step; returns the global batch's mean loss."""
+def train_step(t: Trainer, batch: list[int], shard: list[int]) -> torch.Tensor:
+    """Forward and backward of one world-size-invariant step (gradients all-reduced);
+    returns the sum of this rank's sample losses. The optimizer step is the caller's."""
     scale = t.ctx.world_size / len(batch)
     chunks, weight = micro_batches(shard, t.cfg.training.micro_batch_size), 1.0
     if not chunks:
@@ -311,9 +312,27 @@ def train_step(t: Trainer, batch: list[int], shard: list[int]) -> float:
         sync = i == len(chunks) - 1
         with contextlib.nullcontext() if sync else t.ddp.no_sync():
             loss_sum += weight * forward_backward(t, chunk, scale=weight * scale)
-    optimizer_step(t)
-    dist.all_reduce(loss_sum)
-    return loss_sum.item() / len(batch)
+    return loss_sum
+
+
+class Agreement:
+    """The small all-reduce of a check step, started early and awaited late:
+    every rank's loss sum, the preemption flag, and rank 0's proposal of the
+    steps until the next check."""
+
+    def __init__(self, t: Trainer, loss_sum: torch.Tensor) -> None:
+        preemption = t.guards.preemption
+        proposal = preemption.propose_interval(t.step) if t.ctx.rank == 0 else 0
+        values = (preemption.flag(), float(proposal))
+        self._totals = torch.cat((loss_sum.reshape(1), loss_sum.new_tensor(values)))
+        self._work = dist.all_reduce(self._totals, async_op=True)
+
+    def wait(self, t: Trainer, *, samples: int) -> tuple[float, bool]:
+        """The global batch's mean loss, and whether any rank was signalled to stop."""
+        self._work.wait()
+        loss_total, signalled, interval = self._totals.tolist()
+        t.guards.preemption.checked(t.step, interval=round(interval))
+        return loss_total / samples, signalled > 0
 
 
 # -- the loop -------------------------------------------------------------------
@@ -329,21 +348,78 @@ def finished(t: Trainer) -> bool:
     return t.sampler.epoch >= t.cfg.training.epochs
 
 
-def report_step(t: Trainer, stats: StepStats, shard: list[int]) -> None:
-    """After each step: audit record, progress marker, periodic log line."""
+def record_step(t: Trainer, *, epoch: int, shard: list[int], loss_sum: torch.Tensor) -> None:
+    """This rank's audit record of the step.
+
+    A snapshot of the step is published only after a collective that every
+    rank enters after writing this record (the next step's gradient
+    all-reduce, or this step's agreement), so it never holds a step whose
+    record some rank lacks. The record's loss is this rank's own mean.
+    """
     if t.audit is not None:
-        t.audit.step(step=stats.step, epoch=stats.epoch, indices=shard, loss=stats.loss)
+        loss = loss_sum.item() / len(shard) if shard else 0.0
+        t.audit.step(step=t.step, epoch=epoch, indices=shard, loss=loss)
+
+
+def log_due(t: Trainer, step: int) -> bool:
+    return step % t.cfg.logging.log_every_steps == 0 or step == 1
+
+
+def report_step(t: Trainer, stats: StepStats, *, local_samples: int) -> None:
+    """After each step: progress marker, metrics, periodic log line."""
     t.progress.record(stats.step)
     t.metrics.step_completed(
-        step=stats.step, samples=len(shard), seconds=stats.seconds, loss=stats.loss,
+        step=stats.step, samples=local_samples, seconds=stats.seconds, loss=stats.loss,
         world_size=t.ctx.world_size,
     )  # fmt: skip
-    if stats.step % t.cfg.logging.log_every_steps == 0 or stats.step == 1:
+    if log_due(t, stats.step):
         log.info(
-            "step", step=stats.step, epoch=stats.epoch, loss=round(stats.loss, 5),
+            "step", step=stats.step, epoch=stats.epoch, loss=round(stats.loss or 0.0, 5),
             lr=stats.lr, world_size=t.ctx.world_size, step_seconds=round(stats.seconds, 4),
             samples_per_second=round(stats.samples / stats.seconds, 1),
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    signalled: bool | None  # some rank was asked to stop; None: no check after this step
+    epoch_ended: bool
+
+
+def run_step(t: Trainer) -> StepOutcome:
+    """One optimizer step with its records and its snapshot.
+
+    The ranks agree (loss, preemption flag) only at check and log steps, in
+    an all-reduce that runs while this rank takes the optimizer step and
+    writes the snapshot; every other step has DDP's gradient all-reduce only.
+    """
+    started, epoch, lr = time.perf_counter(), t.sampler.epoch, current_lr(t)
+    batch = t.sampler.next_global_batch()
+    shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
+    loss_sum = train_step(t, batch, shard)
+    if t.snapshots is not None:
+        t.snapshots.commit(t.step)  # every rank recorded it before this gradient all-reduce
+    t.step += 1
+    record_step(t, epoch=epoch, shard=shard, loss_sum=loss_sum)
+    due = log_due(t, t.step) or t.guards.preemption.check_due(t.step)
+    agreement = Agreement(t, loss_sum) if due else None
+    optimizer_step(t)
+    epoch_ended = t.sampler.epoch_finished()
+    if epoch_ended:
+        t.sampler.start_next_epoch()
+    if t.snapshots is not None:
+        t.snapshots.after_step(t.step, lambda: state_dict(t), commit=False)
+    loss, signalled = None, None
+    if agreement is not None:
+        loss, signalled = agreement.wait(t, samples=len(batch))
+        if t.snapshots is not None:
+            t.snapshots.commit(t.step)
+    stats = StepStats(
+        step=t.step, epoch=epoch, loss=loss, samples=len(batch),
+        seconds=time.perf_counter() - started, lr=lr,
+    )  # fmt: skip
+    report_step(t, stats, local_samples=len(shard))
+    return StepOutcome(signalled=signalled, epoch_ended=epoch_ended)
 
 
 def train(t: Trainer) -> TrainResult:
@@ -355,26 +431,14 @@ def train(t: Trainer) -> TrainResult:
     t.ddp.train()
     t.guards.install()
     while not finished(t):
-        started, epoch, lr = time.perf_counter(), t.sampler.epoch, current_lr(t)
-        batch = t.sampler.next_global_batch()
-        shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
-        loss = train_step(t, batch, shard)
-        t.step += 1
-        stats = StepStats(
-            step=t.step, epoch=epoch, loss=loss, samples=len(batch),
-            seconds=time.perf_counter() - started, lr=lr,
-        )  # fmt: skip
-        report_step(t, stats, shard)
-        if t.sampler.epoch_finished():
-            t.sampler.start_next_epoch()
+        outcome = run_step(t)
+        if outcome.epoch_ended:
             save_checkpoint(t, reason="epoch_end")
         elif checkpoint_due(t):
             save_checkpoint(t, reason="interval")
         if t.cfg.eval.every_steps and t.step % t.cfg.eval.every_steps == 0:
             run_evaluation(t, reason="interval")
-        stopped = t.guards.after_step(t.step)
-        if t.snapshots is not None:
-            t.snapshots.after_step(t.step, lambda: state_dict(t))
+        stopped = t.guards.after_step(t.step, signalled=outcome.signalled)
         if stopped is not None:
             save_checkpoint(t, reason=stopped.value, blocking=True)
             if t.checkpoint is not None:

@@ -20,6 +20,9 @@ restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 worker = WorkerMetrics.from_env()
 for step in range(1, 4):
     worker.step_completed(step=step, samples=4, seconds=0.01, loss=1.0 / step, world_size=2)
+# Step metrics are written at most once a second and at close(); the trainer's
+# next steps (or its exit path) would write these, this worker writes them now.
+worker.flush()
 (out / f"done-{restart}-{worker.local_rank}").touch()
 if restart == 0 and worker.local_rank == 0:
     while not (out / "done-0-1").exists():  # crash once both have counted their steps

@@ -48,6 +48,25 @@ def test_step_completed_updates_training_series(worker: metrics.WorkerMetrics) -
     assert _value("elastic_train_worker_resident_memory_bytes", local_rank="0") > 0
 
 
+def test_step_series_are_written_at_most_every_flush_seconds_and_at_close() -> None:
+    batched = metrics.WorkerMetrics(rank=0, local_rank=0, world_size=2, flush_seconds=3600)
+    try:
+        steps = _value("elastic_train_steps_total")
+        count = _value("elastic_train_step_duration_seconds_count")
+        batched.step_completed(step=1, samples=4, seconds=0.1, loss=2.0, world_size=2)
+        assert _value("elastic_train_steps_total") == steps + 1  # the first at once
+        for step in (2, 3):
+            batched.step_completed(step=step, samples=4, seconds=0.1, loss=None, world_size=2)
+        assert _value("elastic_train_steps_total") == steps + 1
+        assert _value("elastic_train_global_step") == 1
+    finally:
+        batched.close()
+    assert _value("elastic_train_steps_total") == steps + 3
+    assert _value("elastic_train_step_duration_seconds_count") == count + 3
+    assert _value("elastic_train_global_step") == 3
+    assert _value("elastic_train_loss") == 2.0  # steps without a loss keep the last one
+
+
 def test_job_level_counts_come_from_rank_0_only() -> None:
     other = metrics.WorkerMetrics(rank=1, local_rank=1, world_size=2)
     try:

@@ -16,7 +16,13 @@ import pytest
 from elastic_train.audit import AuditTail
 from elastic_train.errors import EXIT_HANG, ConfigError
 from elastic_train.etcd_server import free_port
-from elastic_train.preemption import PreemptionHandler, StopReason, parse_signal
+from elastic_train.preemption import (
+    CHECK_SECONDS,
+    MAX_CHECK_INTERVAL,
+    PreemptionHandler,
+    StopReason,
+    parse_signal,
+)
 from elastic_train.watchdog import Watchdog
 
 SCRIPT = str(Path(__file__).with_name("fault_procs.py"))
@@ -74,6 +80,27 @@ def test_poll_without_process_group_and_check_every() -> None:
     finally:
         handler.uninstall()
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+
+
+def test_adaptive_checks_come_about_every_check_seconds_of_steps() -> None:
+    handler = PreemptionHandler(signals=(signal.SIGUSR2,))  # check_every=0: adaptive
+    assert handler.check_due(1) and handler.propose_interval(1) == 1
+    handler.checked(1, interval=1)
+    assert handler.check_due(2)
+    time.sleep(0.02)  # ~0.02 s per step since the check after step 1
+    interval = handler.propose_interval(2)
+    assert 1 <= interval <= round(CHECK_SECONDS / 0.02)
+    handler.checked(2, interval=40)  # rank 0's proposal, whatever this rank measured
+    assert next(s for s in range(3, 90) if handler.check_due(s)) == 42
+    # A step slower than CHECK_SECONDS is checked every step; a fast one at most
+    # every MAX_CHECK_INTERVAL steps.
+    handler.checked(100, interval=1)
+    time.sleep(CHECK_SECONDS * 1.2)
+    assert handler.propose_interval(101) == 1
+    handler.checked(101, interval=1)
+    assert handler.propose_interval(10**9) == MAX_CHECK_INTERVAL
+    assert handler.decide(5, signalled=False) is None
+    assert handler.decide(5, signalled=True) is StopReason.PEER_PREEMPTED
 
 
 @pytest.mark.slow

@@ -112,6 +112,22 @@ def test_a_damaged_current_slot_falls_back_to_the_other(store: SnapshotStore) ->
     assert store.load(map_location="cpu")[0] == 1
 
 
+def test_an_uncommitted_snapshot_is_never_used(store: SnapshotStore) -> None:
+    store.save(1, _state(1))
+    store.save(2, _state(2), commit=False)  # complete bytes, not yet vouched for
+    assert store.load(map_location="cpu")[0] == 1
+    # Even with the committed slot damaged, the newer uncommitted one is refused.
+    head = json.loads((store.directory / "HEAD").read_text())
+    current = store.directory / f"slot-{head['slot']}"
+    data = bytearray(current.read_bytes())
+    data[HEADER_BYTES + 8] ^= 0x01
+    current.write_bytes(bytes(data))
+    assert store.load(map_location="cpu") is None
+    store.commit()
+    step, state = store.load(map_location="cpu")
+    assert step == 2 and torch.equal(state["model"]["w"], _state(2)["model"]["w"])
+
+
 def test_a_snapshot_of_another_config_is_not_used(store: SnapshotStore) -> None:
     store.save(1, _state(1))
     other = SnapshotStore(
@@ -184,12 +200,13 @@ _CHILD = textwrap.dedent(
     from elastic_train.snapshot import SnapshotStore
 
     class DieWhenCopied(torch.Tensor):
-        # The copy loop reaches this tensor after copying the ones before it.
+        # Killed right after the tensor bytes are in the slot, before its header.
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.copy_:
+            result = super().__torch_function__(func, types, args, kwargs or {})
+            if func in (torch.Tensor.copy_, torch._foreach_copy_):
                 os.kill(os.getpid(), signal.SIGKILL)
-            return super().__torch_function__(func, types, args, kwargs or {})
+            return result
 
     run_id, root, mode = sys.argv[1:4]
     store = SnapshotStore(run_id, fingerprint="fp-snap", root=root)
@@ -209,7 +226,7 @@ _CHILD = textwrap.dedent(
     else:
         torn = state(3, 1000)
         torn["model"]["z"] = torch.ones(10).as_subclass(DieWhenCopied)
-        store.save(3, torn)  # SIGKILL after "w" was copied, before "z"
+        store.save(3, torn)  # SIGKILL once "w" and "z" are copied, before the header
     """
 )
 
@@ -238,6 +255,13 @@ def test_a_snapshot_killed_halfway_is_never_used(shm_root: Path, mode: str, sign
         store.remove()
 
 
+def _head_step(head: Path) -> int:
+    try:  # the writer creates HEAD, then writes it: it may be empty for a moment
+        return int(json.loads(head.read_text())["step"])
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 @pytest.mark.slow
 def test_sigkill_at_an_arbitrary_moment_leaves_a_consistent_snapshot(shm_root: Path) -> None:
     run_id = f"test-{uuid.uuid4().hex[:12]}"
@@ -246,7 +270,7 @@ def test_sigkill_at_an_arbitrary_moment_leaves_a_consistent_snapshot(shm_root: P
     try:
         deadline = time.monotonic() + 60
         head = store.directory / "HEAD"
-        while not (head.exists() and json.loads(head.read_text())["step"] >= 3):
+        while _head_step(head) < 3:
             assert child.poll() is None and time.monotonic() < deadline
             time.sleep(0.01)
         child.send_signal(signal.SIGKILL)
