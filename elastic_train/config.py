@@ -175,8 +175,9 @@ class ElasticConfig:
     watchdog_startup_seconds: float = 600.0
     #: Besides SIGTERM, the signal that means "save and leave" (Slurm --signal=USR1@90).
     preemption_signal: str = "SIGUSR1"
-    #: All-reduce the preemption flag every this many steps.
-    preemption_check_every: int = 1
+    #: Agree on the preemption flag every this many steps; 0: about every 50 ms
+    #: (every step for slow steps; fast ones skip the collective).
+    preemption_check_every: int = 0
     #: Copy the training state into /dev/shm after optimizer steps (one writer per
     #: node), so a failure loses at most the steps since the last copy
     #: (docs/checkpoints-and-snapshots.md). Off: disk checkpoints only.
@@ -192,7 +193,9 @@ class ElasticConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")
-        _positive(self, "watchdog_startup_seconds", "preemption_check_every")
+        _positive(self, "watchdog_startup_seconds")
+        _check(self, "preemption_check_every", self.preemption_check_every >= 0,
+               "must be >= 0 (0: adaptive)")  # fmt: skip
         _check(self, "snapshot_every_steps", self.snapshot_every_steps >= 0,
                "must be >= 0 (0: adaptive)")  # fmt: skip
         _check(self, "snapshot_max_overhead", 0 < self.snapshot_max_overhead <= 1,
