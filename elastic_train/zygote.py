@@ -331,6 +331,8 @@ def _adopt(request: dict[str, Any], conn: socket.socket, fds: list[int]) -> Modu
     os.setsid()  # torchrun starts each worker in its own session
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
     _reopen_stdio(unbuffered=request["unbuffered"])
     os.environ.clear()
     os.environ.update(request["env"])
