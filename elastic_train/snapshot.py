@@ -268,6 +268,11 @@ class SnapshotStore:
             ) from exc
         self.last_stats = SnapshotStats(step, time.perf_counter() - start, end)
 
+    @property
+    def pending_step(self) -> int | None:
+        """The step that ``save(commit=False)`` wrote and :meth:`commit` has not published."""
+        return self._pending[1] if self._pending is not None else None
+
     def commit(self) -> None:
         """Publish the slot the last ``save(commit=False)`` wrote; a no-op without one."""
         if self._pending is None:

@@ -131,6 +131,11 @@ class NodeSnapshots:
                 step_ms=round(1000 * (self.cadence.step_seconds or 0), 3),
             )  # fmt: skip
 
+    @property
+    def pending(self) -> int | None:
+        """The step of a snapshot written but not yet published, if any."""
+        return self.store.pending_step if self.enabled else None
+
     def commit(self, step: int) -> None:
         """Publish the snapshot that ``after_step(step, ..., commit=False)`` wrote, if any."""
         if not self.enabled:

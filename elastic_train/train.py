@@ -380,6 +380,17 @@ def report_step(t: Trainer, stats: StepStats, *, local_samples: int) -> None:
         )  # fmt: skip
 
 
+def publish_snapshot(t: Trainer) -> None:
+    """Publish the previous step's snapshot: every rank recorded that step before
+    entering this step's gradient all-reduce, which has completed by now."""
+    if t.snapshots is None or t.snapshots.pending is None:
+        return
+    if t.ctx.device.type == "cuda":
+        # backward() returns before NCCL's all-reduce ends; only a sync says it did.
+        torch.cuda.current_stream(t.ctx.device).synchronize()
+    t.snapshots.commit(t.step)
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     signalled: bool | None  # some rank was asked to stop; None: no check after this step
@@ -397,8 +408,7 @@ def run_step(t: Trainer) -> StepOutcome:
     batch = t.sampler.next_global_batch()
     shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
     loss_sum = train_step(t, batch, shard)
-    if t.snapshots is not None:
-        t.snapshots.commit(t.step)  # every rank recorded it before this gradient all-reduce
+    publish_snapshot(t)
     t.step += 1
     record_step(t, epoch=epoch, shard=shard, loss_sum=loss_sum)
     due = log_due(t, t.step) or t.guards.preemption.check_due(t.step)
