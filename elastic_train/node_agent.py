@@ -251,6 +251,18 @@ def _zygote_once(enabled: bool, argv: Sequence[str]) -> None:
     log.info("warm_start_zygote_started", pid=_zygote.pid, socket=str(_zygote.socket_path))
 
 
+def _replace_dead_zygote() -> None:
+    """A zygote that died (a crash, the OOM killer) would turn every later start cold."""
+    global _zygote
+    if _zygote is None or _zygote.proc.poll() is None:
+        return
+    log.warning("warm_start_zygote_died", pid=_zygote.pid, exit_code=_zygote.proc.returncode)
+    atexit.unregister(_zygote.close)
+    _zygote.close()
+    _zygote = None
+    _zygote_once(True, sys.argv)
+
+
 def runs_our_trainer(argv: Sequence[str]) -> bool:
     """Whether a torchrun command line starts ``elastic_train/main.py`` (by path or ``-m``)."""
     main = Path(__file__).with_name("main.py").resolve()
@@ -284,6 +296,7 @@ class _TimedRendezvous:
 
     def __call__(self) -> RendezvousInfo:
         if self._rounds:
+            _replace_dead_zygote()  # it imports while the round runs
             os.environ[metrics.RECOVERY_STARTED_AT_ENV] = repr(time.time())
             self._restarts.inc()
             self._nodes.set(0)

@@ -199,16 +199,22 @@ def _request(path: str, main_file: str) -> tuple[socket.socket, int]:
 
 def _wait_for_exit(conn: socket.socket) -> int | str:
     """The child's exit code, minus the signal that ended it (like ``Popen.returncode``),
-    or why it could not become the worker (then nothing of the worker ran)."""
-    message = conn.recv(MAX_MESSAGE_BYTES)
-    if message:
+    or why it could not become the worker (then nothing of the worker ran).
+
+    The zygote's wait status comes once the child is reaped, so nothing of it
+    lingers when torchrun sees this process exit. Without a zygote (its agent
+    died), the code the child reported is used once its end of the socket closes.
+    """
+    reported: int | None = None
+    while message := conn.recv(MAX_MESSAGE_BYTES):
         outcome = json.loads(message)
-        return (
-            outcome["fallback"]
-            if "fallback" in outcome
-            else os.waitstatus_to_exitcode(outcome["status"])
-        )
-    # The zygote died before the child (its agent is gone): the status is lost.
+        if "fallback" in outcome:
+            return str(outcome["fallback"])
+        if "status" in outcome:
+            return os.waitstatus_to_exitcode(outcome["status"])
+        reported = int(outcome["exit_code"])
+    if reported is not None:
+        return reported
     from elastic_train.log import configure_logging_if_unconfigured, get_logger
 
     configure_logging_if_unconfigured()

@@ -267,7 +267,10 @@ class _Server:
                 with contextlib.suppress(OSError):
                     conn.send(json.dumps(reason).encode())
                 os._exit(1)
-            entry.exit_now(entry._main_exit_code())
+            code = entry._main_exit_code()
+            with contextlib.suppress(OSError):  # for the launcher, should this zygote be gone
+                conn.send(json.dumps({"exit_code": code}).encode())
+            entry.exit_now(code)
         child = _Child(pid=pid, pidfd=os.pidfd_open(pid), conn=conn)
         self._children[pid] = child
         self._selector.register(child.pidfd, selectors.EVENT_READ, ("exited", child))

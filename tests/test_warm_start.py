@@ -231,6 +231,25 @@ def test_a_signal_to_the_launcher_preempts_the_child_with_no_lost_step(
 
 
 @pytest.mark.slow
+def test_a_worker_outlives_its_zygote_and_still_reports_its_exit_code(tmp_path: Path) -> None:
+    """The zygote dies (its agent is gone, or a crash): its children train on, and a
+    launcher exits with the code its child reported, here 0 after a preemption."""
+    own = ZygoteProcess(parent_dir=tmp_path, environ=_env(None))
+    try:
+        run = tmp_path / "run"
+        launcher = _launch(own.socket_path, run, *PACED, "training.steps=100000")
+        _warm_child(own, launcher)
+        own.proc.kill()
+        own.proc.wait()
+        step = _wait_for_step(run / "audit", 1, launcher)
+        _wait_for_step(run / "audit", step + 2, launcher)  # trains on without the zygote
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0, (tmp_path / "run.err").read_text()[-3000:]
+    finally:
+        own.close()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stopped", [False, True], ids=["running", "sigstopped"])
 def test_a_killed_launcher_takes_its_child_along(
     zygote: ZygoteProcess, tmp_path: Path, stopped: bool
