@@ -23,7 +23,12 @@ from elastic_train.audit import AuditTail
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.rendezvous_config import parse_config
 from elastic_train.warm_start import SOCKET_ENV, interpreter_fingerprint, launcher_name
-from elastic_train.zygote import ZygoteProcess, _remove_stale_directories, trainer_processes
+from elastic_train.zygote import (
+    ZYGOTE_NAME,
+    ZygoteProcess,
+    _remove_stale_directories,
+    trainer_processes,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = REPO / "elastic_train" / "main.py"
@@ -315,20 +320,27 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
     tmp_path: Path,
 ) -> None:
     """``elastic-train local`` (etcd backend, warm start by default): node1 is killed and
-    joins again; every worker start of every node goes through its node's zygote."""
-    summary_path = tmp_path / "summary.json"
+    joins again, and node0's zygote is killed once it forked node0's first worker.
+    Every worker start of every node goes through a zygote (node0's agent replaces
+    its dead one before the next round) and the data is still seen exactly once."""
+    run, summary_path = tmp_path / "run", tmp_path / "summary.json"
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2",
         "--chaos", "kill:1@step6,join:1@step12", "--json", str(summary_path),
-        "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "150",
+        "--run-dir", str(run), "--quiet", "--timeout", "150",
         "--metrics-port", "0", "--data.name=synthetic", "--data.num_samples=96",
         "--training.global_batch_size=16", "--training.steps=36",
         "--checkpoint.interval_steps=4", "--model.name=tests.paced_model:paced_mlp",
         "--model.options.seconds=0.1",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200)
-    assert summary_path.is_file(), proc.stderr[-3000:]
+    runner = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _node_zygote(run, "node0", runner).kill()
+        _, err = runner.communicate(timeout=200)
+    finally:
+        runner.kill()
+    assert summary_path.is_file(), err[-3000:]
     summary = json.loads(summary_path.read_text())
     assert summary["completed"] and summary["final_step"] == 36, summary
     assert summary["exactly_once"], summary["exactly_once_detail"]
@@ -336,7 +348,7 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
         ("kill", 1),
         ("join", 2),
     ]
-    logs = {p.stem: p for p in (tmp_path / "run" / "logs").glob("node*.log")}
+    logs = {p.stem: p for p in (run / "logs").glob("node*.log")}
     starts = {node: len(_events(path, "process_group_ready")) for node, path in logs.items()}
     forked = {node: len(_events(path, "warm_start_forked")) for node, path in logs.items()}
     # node0: at least the first start, the restart without node1, the restart with
@@ -344,3 +356,18 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
     assert starts == forked, (starts, forked)
     assert starts["node0"] >= 3 and starts["node1"] >= 2, starts
     assert not any(_events(path, "warm_start_unavailable") for path in logs.values())
+    assert len(_events(logs["node0"], "warm_start_zygote_died")) == 1
+
+
+def _node_zygote(run: Path, node: str, runner: subprocess.Popen[str]) -> psutil.Process:
+    """A node's zygote, once it forked the node's first worker (polled)."""
+    deadline, log = time.monotonic() + 120, run / "logs" / f"{node}.log"
+    while not (log.is_file() and _events(log, "warm_start_forked")):
+        assert runner.poll() is None and time.monotonic() < deadline, "no warm start"
+        time.sleep(0.1)
+    for proc in psutil.process_iter(["name", "environ"]):
+        env = proc.info["environ"] or {}
+        ours = env.get("ELASTIC_TRAIN_METRICS_DIR", "").startswith(str(run))
+        if ours and proc.info["name"] == ZYGOTE_NAME and env.get("ELASTIC_TRAIN_NODE") == node:
+            return proc
+    raise AssertionError(f"no zygote of {node}")
