@@ -32,6 +32,9 @@ from elastic_train.zygote import (
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = REPO / "elastic_train" / "main.py"
+#: 0.1 s steps: after the join trigger (step 12) the joiner has 6 s or more to start
+#: its zygote and join, even when node0's restart waits for a replaced zygote
+E2E_STEPS = 72
 #: steps of 0.05 s at least, so a signal lands mid-run on any machine
 PACED = ("model.name=tests.paced_model:paced_mlp", "model.options.seconds=0.05")
 
@@ -329,7 +332,7 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
         "--chaos", "kill:1@step6,join:1@step12", "--json", str(summary_path),
         "--run-dir", str(run), "--quiet", "--timeout", "150",
         "--metrics-port", "0", "--data.name=synthetic", "--data.num_samples=96",
-        "--training.global_batch_size=16", "--training.steps=36",
+        "--training.global_batch_size=16", f"--training.steps={E2E_STEPS}",
         "--checkpoint.interval_steps=4", "--model.name=tests.paced_model:paced_mlp",
         "--model.options.seconds=0.1",
     ]  # fmt: skip
@@ -342,7 +345,7 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
         runner.kill()
     assert summary_path.is_file(), err[-3000:]
     summary = json.loads(summary_path.read_text())
-    assert summary["completed"] and summary["final_step"] == 36, summary
+    assert summary["completed"] and summary["final_step"] == E2E_STEPS, summary
     assert summary["exactly_once"], summary["exactly_once_detail"]
     assert [(r["kind"], r["world_size_after"]) for r in summary["recoveries"]] == [
         ("kill", 1),
