@@ -322,6 +322,8 @@ def _refusal(request: Any, fds: list[int], ours: dict[str, str], *, truncated: b
     differing = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
     if differing:
         return f"import-time environment variables differ from the zygote's: {differing}"
+    if sys.modules["torch"].cuda.is_initialized():  # a forked child could not use CUDA
+        return "CUDA is initialized in the zygote"
     if threading.active_count() != 1:
         return f"the zygote has {threading.active_count()} threads; a fork would lose them"
     if not os.path.isdir(request["cwd"]):
