@@ -23,6 +23,7 @@ from typing import TypeVar
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -50,7 +51,12 @@ from elastic_train.rendezvous_config import (
     RendezvousConfig,
     parse_config,
 )
-from elastic_train.rendezvous_ops import FastOpExecutor, WatchedStateHolder, round_ended
+from elastic_train.rendezvous_ops import (
+    FastOpExecutor,
+    WatchedStateHolder,
+    keep_alive_while_awaited,
+    round_ended,
+)
 
 __all__ = [
     "EtcdV3RendezvousBackend",
@@ -231,8 +237,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     - A participant leaving a completed round ends it, so survivors of a failure
       re-form at once; :meth:`num_nodes_waiting` reports the end of this node's
       round, so that an agent whose workers still run restarts them too.
-    - No background heartbeats while training runs: an idle agent sends etcd
-      nothing (see ``rendezvous_ops``, rule 2).
+    - Heartbeats while training runs only when a node waits: an idle agent
+      sends etcd nothing (see ``rendezvous_ops``, rule 2).
     - A rendezvous retries connection failures until ``join_timeout``; an etcd
       outage while training runs is logged and otherwise ignored, because the
       agent polls :meth:`num_nodes_waiting` and would stop the job on an error.
@@ -273,8 +279,14 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 log.warning("rendezvous_etcd_retry", run_id=self.settings.run_id, error=str(exc))
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
-    def _start_heartbeats(self) -> None:
-        """Nothing to do: participants of a completed round are not pruned (rule 2)."""
+    def _keep_alive(self) -> None:
+        """torch's heartbeat timer calls this every ``keep_alive_interval``; rule 2 decides."""
+        with self._heartbeat_lock:
+            deadline = self._get_deadline(self._settings.timeout.heartbeat)
+            try:
+                self._op_executor.run(keep_alive_while_awaited, deadline)
+            except RendezvousError as exc:
+                log.warning("rendezvous_heartbeat_failed", error=str(exc))
 
     def shutdown(self) -> bool:
         try:

@@ -15,14 +15,16 @@ The rules here:
    at once, without waiting for the dead node's heartbeat to expire. Agents whose
    workers have not failed yet see that their round ended
    (:func:`round_ended`) and restart, as for a joining node.
-2. **Participants of a completed round are never pruned for a stale heartbeat**
-   (:class:`WatchedStateHolder`). Pruning them changed nothing that rule 1
-   does not already handle, and not needing their heartbeats lets the agents stay
-   silent while training runs (no background heartbeats: see
-   ``EtcdV3RendezvousHandler``). Nodes that are waiting or are joining a round
-   that is not complete yet still heartbeat and are still pruned, so a node that
-   dies during a rendezvous does not block it for longer than
-   ``keep_alive_interval x keep_alive_max_attempt``.
+2. **Participants of a completed round heartbeat only while a node waits**
+   (:func:`keep_alive_while_awaited`, :class:`WatchedStateHolder`). While
+   training runs and nobody waits, agents stay silent and nobody is pruned:
+   rule 1 ends the round of a dead participant as soon as a survivor restarts.
+   When a node starts waiting (to join, or as a spare), it starts the
+   participants' clocks; live participants then heartbeat every
+   ``keep_alive_interval``, and dead ones are pruned after
+   ``keep_alive_interval x keep_alive_max_attempt`` as in torch. That is what
+   lets a job whose nodes all died (no survivor to apply rule 1) restart.
+   Waiting nodes and nodes joining an incomplete round heartbeat as in torch.
 
 And one mechanical change: instead of sleeping 1 s whenever it has to wait, the
 join loop wakes on the next change of the state key (the backend watches it) or
@@ -53,7 +55,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_train.log import get_logger
 
-__all__ = ["ChangeWaiter", "FastOpExecutor", "WatchedStateHolder", "round_ended"]
+__all__ = [
+    "ChangeWaiter",
+    "FastOpExecutor",
+    "WatchedStateHolder",
+    "awaited",
+    "keep_alive_while_awaited",
+    "round_ended",
+]
 
 log = get_logger(__name__)
 
@@ -86,6 +95,22 @@ def round_ended(state: _RendezvousState, node: _NodeDesc, joined_round: int | No
     return state.round != joined_round or node not in state.participants
 
 
+def awaited(state: _RendezvousState) -> bool:
+    """Whether some node waits for a completed round: on the wait or the spare list."""
+    return bool(state.wait_list or state.redundancy_list)
+
+
+def keep_alive_while_awaited(ctx: _RendezvousContext, deadline: float) -> _Action:
+    """The background heartbeat of a participant of a completed round (rule 2)."""
+    state = ctx.state
+    if not (state.complete and ctx.node in state.participants and awaited(state)):
+        return _Action.FINISH
+    beat = state.last_heartbeats.get(ctx.node)
+    if beat is not None and beat > datetime.now(timezone.utc) - ctx.settings.keep_alive_interval:
+        return _Action.FINISH
+    return _Action.ERROR_TIMEOUT if time.monotonic() > deadline else _Action.KEEP_ALIVE
+
+
 class WatchedStateHolder(_BackendRendezvousStateHolder):
     """torch's state holder, reading on every sync (the backend serves a watched
     copy, so a read costs etcd nothing) and applying rule 2 when it prunes."""
@@ -95,7 +120,7 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
 
     def _sanitize(self) -> None:
         state = self._state
-        if not state.complete:
+        if not state.complete or awaited(state):
             super()._sanitize()
             return
         expire = datetime.now(timezone.utc) - (
@@ -186,6 +211,23 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         if self._state.deadline is not None and self._node in self._state.participants:
             wait = min(wait, (self._state.deadline - now).total_seconds())
         return max(wait, 0.0) + 0.005  # just past the instant, so the next check passes
+
+    def _add_to_wait_list(self) -> None:
+        self._start_participants_clocks()
+        super()._add_to_wait_list()
+
+    def _add_to_redundancy_list(self) -> None:
+        self._start_participants_clocks()
+        super()._add_to_redundancy_list()
+
+    def _start_participants_clocks(self) -> None:
+        """Rule 2: from now on, participants that do not heartbeat are pruned."""
+        now = datetime.now(timezone.utc)
+        beats = self._state.last_heartbeats
+        for node in self._state.participants:
+            beat = beats.get(node)
+            if beat is None or beat < now - self._settings.keep_alive_interval:
+                beats[node] = now
 
     def _remove_from_participants(self) -> None:
         state = self._state

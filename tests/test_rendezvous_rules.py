@@ -13,10 +13,15 @@ import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+)
 
 from elastic_train import rendezvous
 from elastic_train.etcd_client import EtcdClient, EtcdClientConfig
@@ -33,10 +38,12 @@ def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _handlers(endpoint: str, count: int, **conf: object) -> list[RendezvousHandler]:
     run_id = f"rules-{uuid.uuid4().hex[:8]}"
+    min_nodes = int(conf.pop("min_nodes", 2))  # type: ignore[call-overload]
+    max_nodes = int(conf.pop("max_nodes", count))  # type: ignore[call-overload]
     return [
         rendezvous.create_handler(
             RendezvousParameters(
-                "etcd-v3", endpoint, run_id, int(conf.pop("min_nodes", 2)), count,
+                "etcd-v3", endpoint, run_id, min_nodes, max_nodes,
                 **{"metrics_port": "off", "last_call_timeout": 1, **conf},
             )
         )
@@ -98,6 +105,53 @@ def test_an_agent_whose_workers_still_run_learns_that_its_round_ended(
     restarting.join(15)
     assert not restarting.is_alive()
     assert second_info.world_size == 2
+
+
+def _state(handler: RendezvousHandler) -> Any:
+    handler._state_holder.sync()  # type: ignore[attr-defined]
+    return handler._state_holder.state  # type: ignore[attr-defined]
+
+
+def _kill(handler: RendezvousHandler) -> None:
+    """What SIGKILL does to an agent's handler: its heartbeat timer stops for good."""
+    handler._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def test_a_job_whose_nodes_all_died_restarts(etcd_endpoint: str) -> None:
+    # No survivor is left to end the round (rule 1); the newcomer, waiting,
+    # makes the silent participant prove it is alive, and prunes it.
+    old, new = _handlers(etcd_endpoint, 2, min_nodes=1, keep_alive_interval=1)
+    _join([old], within=30)
+    _kill(old)
+    assert _join([new], within=20) == [(0, 1)]
+
+
+def test_a_spare_node_does_not_end_a_live_round(etcd_endpoint: str) -> None:
+    live, spare = _handlers(etcd_endpoint, 2, min_nodes=1, max_nodes=1, keep_alive_interval=1)
+    _join([live], within=30)
+    outcome: list[BaseException] = []
+
+    def wait_as_spare() -> None:
+        try:
+            spare.next_rendezvous()
+        except RendezvousError as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=wait_as_spare, daemon=True)
+    waiting.start()
+    _poll(lambda: bool(_state(live).redundancy_list), within=5, what="the spare is listed")
+    # Longer than the 3 s after which a silent participant would be pruned.
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        state = _state(live)
+        assert state.complete and len(state.participants) == 1, "the live round was ended"
+        assert live.num_nodes_waiting() == 0  # a spare is not a reason to restart
+        time.sleep(0.2)
+    assert waiting.is_alive()
+    live.shutdown()  # closes the rendezvous: the spare gives up
+    waiting.join(15)
+    assert not waiting.is_alive()
+    assert [type(e) for e in outcome] == [RendezvousGracefulExitError]
 
 
 def _etcd_requests(server: EtcdServer) -> float:
