@@ -61,6 +61,8 @@ PRELOADED = (
     "elastic_train.main",
 )
 _PR_SET_PDEATHSIG = 1
+#: A socket file younger than this is never taken for a dead zygote's.
+_STALE_AFTER = 60.0
 _REQUEST_KEYS = frozenset(
     {
         "main_file",
@@ -146,7 +148,15 @@ def _remove_stale_directories(parent: Path) -> None:
     for directory in parent.glob(f"{DIRECTORY_PREFIX}*"):
         sock = directory / SOCKET_NAME
         with contextlib.suppress(OSError):  # another agent may remove it meanwhile
-            if sock.is_socket() and sock.stat().st_uid == os.getuid() and str(sock) not in held:
+            info = sock.stat()
+            if (
+                sock.is_socket()
+                and info.st_uid == os.getuid()
+                and str(sock) not in held
+                # The table was read before the glob: a socket bound since then
+                # is missing from it without being stale.
+                and time.time() - info.st_mtime > _STALE_AFTER
+            ):
                 shutil.rmtree(directory)
 
 
