@@ -15,7 +15,8 @@ from trainer_procs import TINY_JOB, final_params, run_workers
 from elastic_train.config import ScheduleConfig, TrainingConfig, load_config
 from elastic_train.errors import ConfigError
 from elastic_train.optim import build_scheduler, global_batch_size, lr_multiplier, total_steps
-from elastic_train.train import checkpoint_due, micro_batches
+from elastic_train.step import micro_batches
+from elastic_train.train import checkpoint_due
 
 ATOL = 2e-6
 
