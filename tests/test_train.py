@@ -75,11 +75,11 @@ def test_gradient_accumulation_matches_one_pass(tmp_path: Path) -> None:
         torch.testing.assert_close(results[3][name], value, atol=ATOL, rtol=0)
 
 
-def _resume_records(audit: Path) -> list[dict]:
+def _records(audit: Path, kind: str) -> list[dict]:
     records = []
     for path in sorted(audit.glob("worker-*.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines()]
-    return [r for r in records if r["kind"] == "resume"]
+    return [r for r in records if r["kind"] == kind]
 
 
 def _logged(text: str, event: str) -> list[dict]:
@@ -104,7 +104,15 @@ def test_resume_at_other_world_sizes_matches_an_uninterrupted_run(tmp_path: Path
     audit = tmp_path / "audit"
     phase = [*job, f"checkpoint.dir={ckpt}", f"logging.audit_dir={audit}"]
 
-    run_workers(3, [*phase, "training.steps=7"])
+    first = tmp_path / "first.log"
+    run_workers(3, [*phase, "training.steps=7"], stderr=first)
+    # Each rank's audit record has its own mean loss; weighted by its samples
+    # they make the global loss of the step's log line.
+    (logged,) = {e["loss"] for e in _logged(first.read_text(), "step") if e["step"] == 1}
+    ones = [r for r in _records(audit, "step") if r["step"] == 1]
+    assert len(ones) == 3 and len({r["loss"] for r in ones}) == 3
+    weighted = sum(r["loss"] * len(r["indices"]) for r in ones)
+    assert weighted / sum(len(r["indices"]) for r in ones) == pytest.approx(logged, abs=1e-5)
     # A crash while step 7 was being written: the manifest is written last.
     (ckpt / "step-000000007" / "MANIFEST.json").unlink()
     log = tmp_path / "resume.log"
@@ -113,7 +121,7 @@ def test_resume_at_other_world_sizes_matches_an_uninterrupted_run(tmp_path: Path
     assert {(r["restored_step"], r["lost_steps"], r["world_size"]) for r in resumed} == {(5, 2, 2)}
     run_workers(3, [*phase, "training.steps=14"])
 
-    restarts = sorted({(r["restored_step"], r["world_size"]) for r in _resume_records(audit)})
+    restarts = sorted({(r["restored_step"], r["world_size"]) for r in _records(audit, "resume")})
     assert restarts == [(0, 3), (5, 2), (10, 3)]
     assert json.loads((audit / "result.json").read_text())["final_step"] == 14
     expected, got = final_params(reference), final_params(audit)
