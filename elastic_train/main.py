@@ -60,8 +60,13 @@ def _setup_logging(cfg: JobConfig, env: WorkerEnv) -> None:
     )  # fmt: skip
 
 
-def run(cfg: JobConfig, env: WorkerEnv) -> int:
-    """Train under ``cfg`` as the worker ``env`` describes; returns the exit code."""
+def run(cfg: JobConfig, env: WorkerEnv, *, release: bool = True) -> int:
+    """Train under ``cfg`` as the worker ``env`` describes; returns the exit code.
+
+    ``release=False`` when the process exits right after (:func:`exit_now`):
+    freeing DDP and the process group then only delays the exit (0.2 s here),
+    and the agent restarts the group only once every worker is gone.
+    """
     _setup_logging(cfg, env)
     trainer: Trainer | None = None
     try:
@@ -78,8 +83,9 @@ def run(cfg: JobConfig, env: WorkerEnv) -> int:
     finally:
         # Also on failure: an in-flight checkpoint holds a consistent earlier step.
         if trainer is not None:
-            close(trainer)
-        teardown()
+            close(trainer, release_group=release)
+        if release:
+            teardown()
     if result.stopped is not None:
         # The signalled worker is done (0); a survivor leaves so that its agent
         # re-forms the group without the preempted node (docs/faults.md).
@@ -90,7 +96,7 @@ def run(cfg: JobConfig, env: WorkerEnv) -> int:
 
 
 @record  # writes torchrun's error file, so the agent reports this worker's traceback
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, release: bool = True) -> int:
     try:
         args: CliArgs = parse_cli(sys.argv[1:] if argv is None else argv)
         env = read_worker_env()
@@ -103,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(to_toml(args.config), end="")
         return 0
-    return run(args.config, env)
+    return run(args.config, env, release=release)
 
 
 def exit_now(code: int) -> NoReturn:
@@ -123,7 +129,7 @@ def exit_now(code: int) -> NoReturn:
 
 def _main_exit_code() -> int:
     try:
-        return main()
+        return main(release=False)  # exit_now follows
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # record() has already written torchrun's error file

@@ -339,8 +339,11 @@ def finish(t: Trainer) -> TrainResult:
     return result
 
 
-def close(t: Trainer) -> None:
-    """Flush an in-flight checkpoint, close files, free DDP; also after a failed step."""
+def close(t: Trainer, *, release_group: bool = True) -> None:
+    """Flush an in-flight checkpoint, close files, free DDP; also after a failed step.
+
+    ``release_group=False`` leaves DDP to a process that is about to exit anyway.
+    """
     t.guards.close()
     t.metrics.close()
     if t.checkpoint is not None:
@@ -354,5 +357,6 @@ def close(t: Trainer) -> None:
     # group's destructor would join gloo's threads with the GIL held, which
     # deadlocks when one of them needs the GIL to free a finished work
     # (pytorch#56297; seen here). Free it while the group is still registered.
-    t.__dict__.pop("ddp", None)
-    gc.collect()
+    if release_group:
+        t.__dict__.pop("ddp", None)
+        gc.collect()
