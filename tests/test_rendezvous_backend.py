@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from rendezvous_threads import join_all
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
@@ -190,27 +191,12 @@ def test_credentials_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _rendezvous_all(params: list[RendezvousParameters]) -> list[tuple[int, int]]:
     """Run one handler per params in threads; return each one's (rank, world_size)."""
-    results: list[tuple[int, int] | BaseException] = [RuntimeError("no result")] * len(params)
-
-    def join(i: int) -> None:
-        try:
-            info = handlers[i].next_rendezvous()
-            results[i] = (info.rank, info.world_size)
-        except BaseException as exc:
-            results[i] = exc
-
     handlers = [rendezvous.create_handler(p) for p in params]
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(params))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    for handler in handlers:
-        handler.shutdown()  # stops the heartbeat thread
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results  # type: ignore[return-value]
+    try:
+        return join_all(handlers, within=60)
+    finally:
+        for handler in handlers:
+            handler.shutdown()  # stops the heartbeat thread
 
 
 def test_two_nodes_rendezvous_through_torch_handler(etcd_endpoint: str) -> None:

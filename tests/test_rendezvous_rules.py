@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rendezvous_threads import join_all
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
@@ -51,30 +52,6 @@ def _handlers(endpoint: str, count: int, **conf: object) -> list[RendezvousHandl
     ]  # fmt: skip
 
 
-def _join(handlers: list[RendezvousHandler], *, within: float) -> list[tuple[int, int]]:
-    """Run next_rendezvous on each handler in a thread; each one's (rank, world_size)."""
-    results: list[tuple[int, int] | BaseException | None] = [None] * len(handlers)
-
-    def join(i: int) -> None:
-        try:
-            info = handlers[i].next_rendezvous()
-            results[i] = (info.rank, info.world_size)
-        except BaseException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(len(handlers))]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + within
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    assert all(r is not None for r in results), f"no round within {within} s: {results}"
-    return results  # type: ignore[return-value]
-
-
 def _poll(condition: Callable[[], bool], *, within: float, what: str) -> None:
     deadline = time.monotonic() + within
     while not condition():
@@ -86,17 +63,17 @@ def test_survivors_re_form_without_waiting_for_the_dead_nodes_heartbeat(
     etcd_endpoint: str,
 ) -> None:
     a, b, dead = _handlers(etcd_endpoint, 3, **SLOW_PRUNING)
-    assert sorted(_join([a, b, dead], within=30)) == [(0, 3), (1, 3), (2, 3)]
+    assert sorted(join_all([a, b, dead], within=30)) == [(0, 3), (1, 3), (2, 3)]
     # `dead` never calls again (its agent was SIGKILLed). With torch's rule the
     # survivors would wait 90 s for its heartbeat to expire.
-    assert sorted(_join([a, b], within=15)) == [(0, 2), (1, 2)]
+    assert sorted(join_all([a, b], within=15)) == [(0, 2), (1, 2)]
 
 
 def test_an_agent_whose_workers_still_run_learns_that_its_round_ended(
     etcd_endpoint: str,
 ) -> None:
     first, second = _handlers(etcd_endpoint, 2, **SLOW_PRUNING)
-    _join([first, second], within=30)
+    join_all([first, second], within=30)
     assert second.num_nodes_waiting() == 0
     restarting = threading.Thread(target=first.next_rendezvous, daemon=True)
     restarting.start()  # first's workers failed; second's have not noticed yet
@@ -121,14 +98,14 @@ def test_a_job_whose_nodes_all_died_restarts(etcd_endpoint: str) -> None:
     # No survivor is left to end the round (rule 1); the newcomer, waiting,
     # makes the silent participant prove it is alive, and prunes it.
     old, new = _handlers(etcd_endpoint, 2, min_nodes=1, keep_alive_interval=1)
-    _join([old], within=30)
+    join_all([old], within=30)
     _kill(old)
-    assert _join([new], within=20) == [(0, 1)]
+    assert join_all([new], within=20) == [(0, 1)]
 
 
 def test_a_spare_node_does_not_end_a_live_round(etcd_endpoint: str) -> None:
     live, spare = _handlers(etcd_endpoint, 2, min_nodes=1, max_nodes=1, keep_alive_interval=1)
-    _join([live], within=30)
+    join_all([live], within=30)
     outcome: list[BaseException] = []
 
     def wait_as_spare() -> None:
@@ -168,7 +145,7 @@ def test_idle_agents_send_etcd_nothing(tmp_path: Path) -> None:
     server = EtcdServer(data_dir=tmp_path / "data", name="idle").start()
     try:
         handlers = _handlers(server.endpoint, 2, keep_alive_interval=1)
-        _join(handlers, within=30)
+        join_all(handlers, within=30)
         key = f"/elastic_train/{handlers[0].get_run_id()}/state".encode()
         client = EtcdClient(EtcdClientConfig(endpoints=(server.endpoint,)))
         revision = client.get(key)[0].mod_revision  # type: ignore[union-attr]
