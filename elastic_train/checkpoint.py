@@ -7,13 +7,20 @@ Layout under ``directory``::
         MANIFEST.json          written LAST: the completion marker
     .tmp-step-000000140-ab12   a save in progress (never read)
 
-A save writes ``state.pt`` into a temporary directory, fsyncs it, renames the
-directory to its final name and only then writes the manifest (sha256 and size
-of each file, the config fingerprint, metadata) through its own
-write-fsync-rename. A crash at any point therefore leaves either no directory,
-a directory without a manifest, or a complete checkpoint; the first two are
-never loaded. The manifest carries a checksum of itself, so a bit flip in it is
-seen as corruption and not as, say, a different fingerprint.
+A save writes ``state.pt`` and then the manifest (sha256 and size of each
+file, the config fingerprint, metadata) into a temporary directory, fsyncs
+both files and the directory, renames the directory to its final name and
+fsyncs the parent: four fsyncs, and the rename is the commit. A crash at any
+point therefore leaves either a temporary directory (removed by the next
+writer) or a complete checkpoint; a step directory without a manifest (from an
+older layout, or foreign) is never loaded. The manifest carries a checksum of
+itself, so a bit flip in it is seen as corruption and not as, say, a different
+fingerprint.
+
+Asynchronous saves copy the state into host buffers kept from the previous
+save (``staging.HostStaging``) and hand it to one long-lived writer thread.
+There is one set of buffers, not two: a save first waits for the previous
+write, so the writer never reads a buffer that is being refilled.
 
 Loading verifies the manifest and the sha256 of the bytes *before* they reach
 ``torch.load(weights_only=True)``, so a file that is not one of our checkpoints
@@ -29,10 +36,10 @@ import os
 import re
 import shutil
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +55,7 @@ from elastic_train.errors import (
     ConfigError,
 )
 from elastic_train.log import get_logger
+from elastic_train.staging import HostStaging
 from elastic_train.state_io import config_fingerprint, copy_to_host, fsync_dir, save_hashed
 
 __all__ = ["CheckpointManager", "SaveStats", "config_fingerprint", "copy_to_host"]
@@ -137,7 +145,10 @@ class CheckpointManager:
         self.last_save_stats: SaveStats | None = None
         #: The manifest metadata of the checkpoint the last load returned.
         self.loaded_metadata: dict[str, Any] | None = None
-        self._inflight: threading.Thread | None = None
+        self._inflight: Future[None] | None = None
+        # Created on the first asynchronous save; its one thread writes every save.
+        self._writer: ThreadPoolExecutor | None = None
+        self._staging = HostStaging() if async_save else None
         self._closed = False
         if is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -161,35 +172,46 @@ class CheckpointManager:
         start = time.perf_counter()
         self.flush()
         copied_at = time.perf_counter()
-        host_state = copy_to_host(state)
+        # A synchronous manager keeps no staging memory between saves.
+        host_state = copy_to_host(state) if self._staging is None else self._staging.copy(state)
         stats = SaveStats(step, copied_at - start, time.perf_counter() - copied_at)
         self.last_save_stats = stats
-        metadata = self._metadata(step)
-        if blocking or not self.async_save:
-            try:
-                self._write(step, host_state, metadata, stats)
-            finally:
-                stats.blocked_seconds = time.perf_counter() - start
-                metrics.checkpoint_blocked(stats.blocked_seconds)
-            return
-        # Not a daemon: interpreter shutdown waits for it, which flushes at exit.
-        self._inflight = threading.Thread(
-            target=self._write_in_background,
-            args=(step, host_state, metadata, stats),
-            name=f"checkpoint-writer-{step}",
-        )
-        self._inflight.start()
-        stats.blocked_seconds = time.perf_counter() - start
-        metrics.checkpoint_blocked(stats.blocked_seconds)
+        args = (step, host_state, self._metadata(step), stats)
+        try:
+            if blocking or not self.async_save:
+                self._write(*args)
+            else:
+                self._inflight = self._submit(args)
+        finally:
+            stats.blocked_seconds = time.perf_counter() - start
+            metrics.checkpoint_blocked(stats.blocked_seconds)
+
+    def _submit(self, args: tuple[Any, ...]) -> Future[None] | None:
+        """Queue the write on the writer thread, or write here if threads are over (exit)."""
+        if self._writer is None:
+            # Its thread is not a daemon: interpreter exit waits for a queued write.
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        try:
+            return self._writer.submit(self._write_in_background, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            self._write_in_background(*args)
+            return None
 
     def flush(self) -> None:
         """Wait until the in-flight asynchronous save, if any, has finished."""
-        thread, self._inflight = self._inflight, None
-        if thread is not None:
-            thread.join()
+        if self._inflight is not None:
+            self._inflight.result()
+            # Cleared only once it is done: the next save must not refill its buffers earlier.
+            self._inflight = None
 
     def close(self) -> None:
+        """Flush, stop the writer thread and free the staging buffers."""
         self.flush()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        if self._staging is not None:
+            self._staging.release()
         self._closed = True
 
     def __enter__(self) -> CheckpointManager:
@@ -235,11 +257,13 @@ class CheckpointManager:
         final = self._step_dir(step)
         replaced: Path | None = None
         try:
+            temporary.mkdir()
             files = self._write_state(temporary, state)
+            self._write_manifest(temporary, step, files, metadata)
+            fsync_dir(temporary)
             replaced = self._move_aside(final)
-            os.rename(temporary, final)
+            os.rename(temporary, final)  # the commit: the directory arrives complete
             fsync_dir(self.directory)
-            self._write_manifest(final, step, files, metadata)
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(temporary, ignore_errors=True)
             self._restore_replaced(final, replaced)
@@ -262,15 +286,13 @@ class CheckpointManager:
         self._prune(step)
 
     def _write_state(self, temporary: Path, state: Any) -> dict[str, dict[str, Any]]:
-        temporary.mkdir()
         with open(temporary / STATE_FILE, "wb") as file:
             digest, size = save_hashed(state, file, algorithm="sha256")
             file.flush()
             os.fsync(file.fileno())
-        fsync_dir(temporary)
         return {STATE_FILE: {"sha256": digest, "bytes": size}}
 
-    def _write_manifest(self, final: Path, step: int, files: dict, metadata: dict) -> None:
+    def _write_manifest(self, temporary: Path, step: int, files: dict, metadata: dict) -> None:
         body = {
             "format": FORMAT,
             "step": step,
@@ -278,14 +300,15 @@ class CheckpointManager:
             "files": files,
             "metadata": metadata,
         }
-        document = {"body": body, "sha256": _manifest_checksum(body)}
-        partial = final / f".{MANIFEST}.tmp"
-        with open(partial, "w") as file:
-            json.dump(document, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.rename(partial, final / MANIFEST)
-        fsync_dir(final)
+        document = json.dumps({"body": body, "sha256": _manifest_checksum(body)}).encode()
+        fd = os.open(temporary / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            written = os.write(fd, document)
+            if written != len(document):
+                raise OSError(f"short write of {MANIFEST}: {written} of {len(document)} bytes")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _count_failure(self, step: int, exc: BaseException) -> CheckpointWriteError:
         self.consecutive_failures += 1
@@ -312,9 +335,9 @@ class CheckpointManager:
         Newer directories (from a timeline abandoned by a fallback) are left
         alone: they are replaced when training reaches their step again.
         """
-        older = [(s, p) for s, p in self._step_dirs() if s <= saved_step]
-        complete = [(s, p) for s, p in older if (p / MANIFEST).exists()]
-        doomed = complete[self.keep :] + [(s, p) for s, p in older if not (p / MANIFEST).exists()]
+        older = [(s, p, (p / MANIFEST).exists()) for s, p in self._step_dirs() if s <= saved_step]
+        complete = [(s, p) for s, p, done in older if done]
+        doomed = complete[self.keep :] + [(s, p) for s, p, done in older if not done]
         for step, path in doomed:
             try:
                 self._delete(path)
@@ -343,7 +366,11 @@ class CheckpointManager:
     def _delete(self, path: Path) -> None:
         # Manifest first: an interrupted delete must not leave something complete-looking.
         (path / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(path)
+        try:  # what we wrote, without rmtree's walk; anything else there takes the walk
+            (path / STATE_FILE).unlink()
+            path.rmdir()
+        except OSError:
+            shutil.rmtree(path)
 
     def _remove_stale_temporaries(self) -> None:
         for path in self.directory.glob(".tmp-step-*"):
