@@ -7,8 +7,8 @@ Layout under ``directory``::
         MANIFEST.json          written LAST: the completion marker
     .tmp-step-000000140-ab12   a save in progress (never read)
 
-A save writes ``state.pt`` and then the manifest (sha256 and size of each
-file, the config fingerprint, metadata) into a temporary directory, fsyncs
+A save writes ``state.pt`` and then the manifest (checksum and size of each
+file, the config fingerprint, metadata; see ``checkpoint_files``) into a temporary directory, fsyncs
 both files and the directory, renames the directory to its final name and
 fsyncs the parent: four fsyncs, and the rename is the commit. A crash at any
 point therefore leaves either a temporary directory (removed by the next
@@ -22,23 +22,20 @@ save (``staging.HostStaging``) and hand it to one long-lived writer thread.
 There is one set of buffers, not two: a save first waits for the previous
 write, so the writer never reads a buffer that is being refilled.
 
-Loading verifies the manifest and the sha256 of the bytes *before* they reach
+Loading verifies the manifest and the checksum of the bytes *before* they reach
 ``torch.load(weights_only=True)``, so a file that is not one of our checkpoints
 is never unpickled at all.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import os
 import re
 import shutil
 import sys
 import time
 import uuid
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +45,15 @@ import torch
 
 import elastic_train
 from elastic_train import metrics
+from elastic_train.checkpoint_files import (
+    FORMAT,
+    MANIFEST,
+    STATE_FILE,
+    read_manifest,
+    read_verified,
+    write_manifest,
+    write_state,
+)
 from elastic_train.errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -56,15 +62,20 @@ from elastic_train.errors import (
 )
 from elastic_train.log import get_logger
 from elastic_train.staging import HostStaging
-from elastic_train.state_io import config_fingerprint, copy_to_host, fsync_dir, save_hashed
+from elastic_train.state_io import config_fingerprint, copy_to_host, fsync_dir
 
-__all__ = ["CheckpointManager", "SaveStats", "config_fingerprint", "copy_to_host"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "STATE_FILE",
+    "CheckpointManager",
+    "SaveStats",
+    "config_fingerprint",
+    "copy_to_host",
+]
 
 log = get_logger(__name__)
 
-MANIFEST = "MANIFEST.json"
-STATE_FILE = "state.pt"
-FORMAT = "elastic_train.checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -78,45 +89,6 @@ class SaveStats:
     blocked_seconds: float = 0.0  # everything save() held the caller for
     write_seconds: float | None = None  # serialize + fsync + rename + manifest
     bytes: int = 0
-
-
-def _manifest_checksum(body: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _read_manifest(directory: Path, step: int) -> dict[str, Any]:
-    """The verified manifest body of a checkpoint directory."""
-    try:
-        document = json.loads((directory / MANIFEST).read_bytes())
-        body = document["body"]
-        valid = document["sha256"] == _manifest_checksum(body)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointCorruptError(
-            f"{directory / MANIFEST}: unreadable manifest ({exc})"
-        ) from exc
-    if not valid or body.get("format") != FORMAT or body.get("step") != step:
-        raise CheckpointCorruptError(f"{directory / MANIFEST}: manifest fails its checksum")
-    if set(body.get("files", {})) != {STATE_FILE}:
-        raise CheckpointCorruptError(f"{directory / MANIFEST}: unexpected file list")
-    return body
-
-
-def _read_verified(directory: Path, body: Mapping[str, Any]) -> bytes:
-    entry = body["files"][STATE_FILE]
-    try:
-        data = (directory / STATE_FILE).read_bytes()
-    except OSError as exc:
-        raise CheckpointCorruptError(f"{directory / STATE_FILE}: unreadable ({exc})") from exc
-    if len(data) != entry["bytes"]:
-        raise CheckpointCorruptError(
-            f"{directory / STATE_FILE}: {len(data)} bytes but the manifest says "
-            f"{entry['bytes']} (truncated?)"
-        )
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CheckpointCorruptError(
-            f"{directory / STATE_FILE}: sha256 does not match the manifest"
-        )
-    return data
 
 
 class CheckpointManager:
@@ -258,7 +230,7 @@ class CheckpointManager:
         replaced: Path | None = None
         try:
             temporary.mkdir()
-            files = self._write_state(temporary, state)
+            files = write_state(temporary, state)
             self._write_manifest(temporary, step, files, metadata)
             fsync_dir(temporary)
             replaced = self._move_aside(final)
@@ -285,13 +257,6 @@ class CheckpointManager:
         )
         self._prune(step)
 
-    def _write_state(self, temporary: Path, state: Any) -> dict[str, dict[str, Any]]:
-        with open(temporary / STATE_FILE, "wb") as file:
-            digest, size = save_hashed(state, file, algorithm="sha256")
-            file.flush()
-            os.fsync(file.fileno())
-        return {STATE_FILE: {"sha256": digest, "bytes": size}}
-
     def _write_manifest(self, temporary: Path, step: int, files: dict, metadata: dict) -> None:
         body = {
             "format": FORMAT,
@@ -300,15 +265,7 @@ class CheckpointManager:
             "files": files,
             "metadata": metadata,
         }
-        document = json.dumps({"body": body, "sha256": _manifest_checksum(body)}).encode()
-        fd = os.open(temporary / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            written = os.write(fd, document)
-            if written != len(document):
-                raise OSError(f"short write of {MANIFEST}: {written} of {len(document)} bytes")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_manifest(temporary, body)
 
     def _count_failure(self, step: int, exc: BaseException) -> CheckpointWriteError:
         self.consecutive_failures += 1
@@ -396,11 +353,11 @@ class CheckpointManager:
         """The newest checkpoint whose manifest verifies and whose file sizes match.
 
         An in-flight save is not included; ``flush()`` first for that. The
-        sha256 of the data is checked by the load itself.
+        checksum of the data is checked by the load itself.
         """
         for step, path in self._step_dirs():
             try:
-                body = _read_manifest(path, step)
+                body = read_manifest(path, step)
                 if (path / STATE_FILE).stat().st_size == body["files"][STATE_FILE]["bytes"]:
                     return step
             except (CheckpointCorruptError, OSError):
@@ -427,7 +384,7 @@ class CheckpointManager:
         """The state of checkpoint ``step``, verified before anything is unpickled."""
         started = time.perf_counter()
         path = self._step_dir(step)
-        body = _read_manifest(path, step)
+        body = read_manifest(path, step)
         if body["fingerprint"] != self.fingerprint:
             raise CheckpointMismatchError(
                 f"checkpoint {path} was written by a run with config fingerprint "
@@ -435,7 +392,7 @@ class CheckpointManager:
                 "a field that must not change across a resume differs; use a new "
                 "checkpoint directory or restore the original config"
             )
-        data = _read_verified(path, body)
+        data = read_verified(path, body)
         try:
             state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
         except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ...

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 
 from elastic_train.checkpoint import MANIFEST, STATE_FILE, CheckpointManager
 from elastic_train.errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     ConfigError,
@@ -141,13 +142,13 @@ class _Booby:
 
 def _forge_manifest(directory: Path, step: int) -> None:
     """A manifest that is valid in every respect except that it describes a foreign file."""
-    from elastic_train.checkpoint import FORMAT, _manifest_checksum
+    from elastic_train.checkpoint_files import FORMAT, manifest_checksum
 
     data = (directory / STATE_FILE).read_bytes()
     files = {STATE_FILE: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}
     meta = {"step": step, "world_size": 1, "wall_time": 0.0, "versions": {}}
     body = {"format": FORMAT, "step": step, "fingerprint": FP, "files": files, "metadata": meta}
-    document = {"body": body, "sha256": _manifest_checksum(body)}
+    document = {"body": body, "sha256": manifest_checksum(body)}
     (directory / MANIFEST).write_text(json.dumps(document))
 
 
@@ -337,3 +338,22 @@ def test_an_in_flight_save_is_flushed_at_interpreter_exit(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     step, state = _manager(tmp_path, is_writer=False).load_latest(map_location="cpu")
     assert step == 2 and state["model"]["w"].shape == (4_000_000,)
+
+
+def test_format_1_checkpoints_with_sha256_still_load(tmp_path: Path) -> None:
+    from elastic_train.checkpoint_files import manifest_checksum
+
+    manager = _manager(tmp_path, async_save=False)
+    manager.save(1, _state(1.0))
+    directory = tmp_path / "step-000000001"
+    body = json.loads((directory / MANIFEST).read_text())["body"]
+    assert set(body["files"][STATE_FILE]) == {"crc32", "bytes"}
+    data = (directory / STATE_FILE).read_bytes()
+    body["format"] = "elastic_train.checkpoint/1"
+    body["files"] = {STATE_FILE: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}
+    document = {"body": body, "sha256": manifest_checksum(body)}
+    (directory / MANIFEST).write_text(json.dumps(document))
+    assert torch.equal(manager.load(1, map_location="cpu")["model"]["w"], torch.full((16,), 1.0))
+    _flip_bit(directory / STATE_FILE)
+    with pytest.raises(CheckpointCorruptError, match="sha256 does not match"):
+        manager.load(1, map_location="cpu")
