@@ -10,22 +10,13 @@ Layout of the per-run directory (mode 0700)::
 
     /dev/shm/elastic_train-<uid>-<run_id>/
         slot-0, slot-1   double buffer, preallocated and memory-mapped
-        HEAD             {"slot": 0|1, "step": N}, replaced atomically by rename
+        HEAD             {"slot": 0|1, "step": N}, one fixed-width pwrite (see _flip_head)
 
-A slot is ``[4 KiB header][tensor bytes][skeleton]``. The skeleton is JSON of
-the state with each tensor replaced by a reference into the tensor bytes, so a
-snapshot costs one memcpy per tensor rather than a full serialization, and
-reading one back never unpickles anything. A save erases the header of the
-slot HEAD does *not* name, copies skeleton and tensors, computes a checksum,
-writes the header (magic, step, sizes, checksum, fingerprint) and only then
-flips HEAD. A process killed at any point leaves HEAD naming a complete slot; a
-slot without a header or whose checksum fails is never used.
-
-The checksum is the wrapping sum of the slot's 64-bit words: one vectorized
-pass over the state, about 10x cheaper than crc32, which a per-step snapshot
-on a small model cannot afford (crc32 alone was 5 % of a 3 ms step). It
-detects what it is for, a slot that mixes bytes of two saves or was damaged
-afterwards; the header-last order is what keeps a torn slot from being used.
+A save erases the header of the slot HEAD does *not* name, copies the tensor
+bytes and the JSON of everything else (``snapshot_layout``), computes a
+checksum, writes the header (magic, step, sizes, checksum, fingerprint) and
+only then flips HEAD. A process killed at any point leaves HEAD naming a
+complete slot; a slot without a header or whose checksum fails is never used.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -54,9 +45,19 @@ from elastic_train.restore import (
     decide,
     restore_newest,
 )
-from elastic_train.state_io import decode_state, dtype_from_name, encode_state
+from elastic_train.snapshot_layout import (
+    HEADER_BYTES,
+    MAGIC,
+    SlotEncoder,
+    SlotMapping,
+    decode,
+    parse_header,
+    slot_end,
+    sum64,
+)
 
 __all__ = [
+    "HEADER_BYTES",
     "Agreement",
     "Restored",
     "SnapshotStats",
@@ -69,28 +70,9 @@ __all__ = [
 
 log = get_logger(__name__)
 
-HEADER_BYTES = 4096
 _ZEROS = bytes(HEADER_BYTES)
 _GRANULE = 1 << 16  # slot files grow in 64 KiB steps
-MAGIC = b"ETSNAP4\n"
-ALGORITHM = "sum64"
-_ALIGN = 64
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-
-def _aligned(n: int, align: int = _ALIGN) -> int:
-    return -(-n // align) * align
-
-
-def _sum64(region: torch.Tensor) -> str:
-    """The wrapping sum of the 64-bit words of a uint8 region (its length a multiple of 8)."""
-    total = int(region.view(torch.int64).sum().item())
-    return f"{total & 0xFFFFFFFFFFFFFFFF:016x}"
-
-
-def _slot_end(data_bytes: int, blob_bytes: int) -> int:
-    """Where a slot's checksummed bytes end: the blob is zero-padded to whole words."""
-    return HEADER_BYTES + data_bytes + _aligned(blob_bytes, 8)
 
 
 @dataclass
@@ -102,73 +84,11 @@ class SnapshotStats:
     bytes: int
 
 
-class _Flat(NamedTuple):
-    blob: bytes  # JSON of the skeleton and the tensor table
-    tensors: list[torch.Tensor]
-    table: list[list[Any]]  # [dtype, shape, offset into the tensor bytes, nbytes]
-    data_bytes: int  # the tensor bytes, aligned; the blob follows them
-
-
-class _Tables:
-    """The tensor table of the last save, reused while the tensors keep their
-    dtypes and shapes, i.e. every step of a run: rebuilding it cost a third of
-    a snapshot's Python time on a small model."""
-
-    def __init__(self) -> None:
-        self.key: list[tuple[torch.dtype, torch.Size]] | None = None
-        self.table: list[list[Any]] = []
-        self.json = "[]"
-        self.data_bytes = 0
-
-    def lookup(self, tensors: list[torch.Tensor]) -> tuple[list[list[Any]], str, int]:
-        key = [(tensor.dtype, tensor.shape) for tensor in tensors]
-        if key != self.key:
-            table, offset = [], 0
-            for dtype, shape in key:
-                nbytes = shape.numel() * dtype.itemsize
-                table.append([str(dtype).removeprefix("torch."), list(shape), offset, nbytes])
-                offset = _aligned(offset + nbytes)
-            self.key, self.table, self.json, self.data_bytes = key, table, json.dumps(table), offset
-        return self.table, self.json, self.data_bytes
-
-
-def _flatten(state: dict, tables: _Tables) -> _Flat:
-    tensors: list[torch.Tensor] = []
-    try:
-        skeleton = encode_state(state, tensors)
-    except CheckpointError as exc:
-        raise SnapshotError(str(exc)) from exc
-    table, table_json, data_bytes = tables.lookup(tensors)
-    blob = f'{{"table": {table_json}, "skeleton": {json.dumps(skeleton)}}}'.encode()
-    return _Flat(blob, tensors, table, data_bytes)
-
-
 def _file_size(path: Path) -> int:
     try:
         return path.stat().st_size
     except FileNotFoundError:
         return 0
-
-
-@dataclass
-class _Mapping:
-    mm: mmap.mmap
-    region: torch.Tensor  # uint8 view of the whole mapping
-    layout: list[list[Any]] | None = None  # the table ``targets`` were made for
-    targets: list[torch.Tensor] | None = None  # typed views, one per tensor of the layout
-
-    def targets_for(self, table: list[list[Any]]) -> list[torch.Tensor]:
-        # The layout is the same from one step to the next, so the views are
-        # built once and each save is one copy_ per tensor.
-        if self.layout is not table or self.targets is None:
-            self.targets = [
-                self.region[HEADER_BYTES + offset : HEADER_BYTES + offset + nbytes]
-                .view(dtype_from_name(dtype))
-                .view(shape)
-                for dtype, shape, offset, nbytes in table
-            ]
-            self.layout = table
-        return self.targets
 
 
 class SnapshotStore:
@@ -192,12 +112,12 @@ class SnapshotStore:
         self.max_bytes = max_bytes
         self.is_writer = is_writer
         self.last_stats: SnapshotStats | None = None
-        self._maps: dict[int, _Mapping] = {}
+        self._maps: dict[int, SlotMapping] = {}
         self._head: tuple[int, int] | None = None  # (slot, step) this writer last flipped to
         self._lock_fd: int | None = None
         self._head_fd: int | None = None
         self._pending: tuple[int, int] | None = None  # (slot, step) written, not yet in HEAD
-        self._tables = _Tables()
+        self._encoder = SlotEncoder(fingerprint)
         if is_writer:
             self._make_private_directory()
 
@@ -241,21 +161,21 @@ class SnapshotStore:
         if not self.is_writer:
             return
         start = time.perf_counter()
-        flat = _flatten(state, self._tables)
+        encoded = self._encoder.encode(state)
         if self._head is None:
             self._head = self._read_head()
         current = self._head
         slot = 1 - current[0] if current else 0
-        blob_start = HEADER_BYTES + flat.data_bytes
-        end = _slot_end(flat.data_bytes, len(flat.blob))
+        blob_start = HEADER_BYTES + encoded.data_bytes
+        end = slot_end(encoded.data_bytes, len(encoded.blob))
         try:
             mapping = self._slot_for_write(slot, end, active=current[0] if current else None)
             with torch.no_grad():
                 # One call for all tensors: a Python loop of copy_ cost as much as the bytes.
-                torch._foreach_copy_(mapping.targets_for(flat.table), flat.tensors)
-            mapping.mm[blob_start:end] = flat.blob.ljust(end - blob_start, b"\0")
-            digest = _sum64(mapping.region[HEADER_BYTES:end])
-            mapping.mm[:HEADER_BYTES] = self._header(step, flat, digest)
+                torch._foreach_copy_(mapping.targets_for(encoded.table), encoded.tensors)
+            mapping.mm[blob_start:end] = encoded.blob.ljust(end - blob_start, b"\0")
+            digest = sum64(mapping.region[HEADER_BYTES:end])
+            mapping.mm[:HEADER_BYTES] = self._encoder.header(step, encoded, digest)
             self._pending = (slot, step)
             if commit:
                 self.commit()
@@ -303,7 +223,7 @@ class SnapshotStore:
                 "/dev/shm (Kubernetes: an emptyDir with medium: Memory) or turn snapshots off"
             )
 
-    def _slot_for_write(self, slot: int, needed: int, *, active: int | None) -> _Mapping:
+    def _slot_for_write(self, slot: int, needed: int, *, active: int | None) -> SlotMapping:
         """The slot's mapping with its header erased (from here on the slot is invalid)."""
         cached = self._maps.get(slot)
         if cached is not None and len(cached.mm) >= needed:
@@ -315,7 +235,7 @@ class SnapshotStore:
         self._check_fits(size, active=active)
         return self._map_slot(slot, size)
 
-    def _map_slot(self, slot: int, size: int) -> _Mapping:
+    def _map_slot(self, slot: int, size: int) -> SlotMapping:
         """A fresh mapping of the slot, header erased first, every page allocated."""
         fd = os.open(self._slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -327,7 +247,7 @@ class SnapshotStore:
             # /dev/shm is full is a SIGBUS, fallocate is a clean ENOSPC.
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size)
-            self._maps[slot] = _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8))
+            self._maps[slot] = SlotMapping(mm, torch.frombuffer(mm, dtype=torch.uint8))
             return self._maps[slot]
         finally:
             os.close(fd)
@@ -338,19 +258,6 @@ class SnapshotStore:
             mm = mapping.mm
             del mapping  # the tensor view must go before the mapping can close
             mm.close()
-
-    def _header(self, step: int, flat: _Flat, digest: str) -> bytes:
-        fields = {
-            "step": step,
-            "data_bytes": flat.data_bytes,
-            "blob_bytes": len(flat.blob),
-            ALGORITHM: digest,
-            "fingerprint": self.fingerprint,
-        }
-        header = MAGIC + json.dumps(fields).encode()
-        if len(header) > HEADER_BYTES:
-            raise SnapshotError(f"snapshot header too long ({len(header)} bytes)")
-        return header.ljust(HEADER_BYTES, b" ")
 
     def _flip_head(self, slot: int, step: int) -> None:
         # A fixed-width record written over the previous one: one syscall where
@@ -386,15 +293,18 @@ class SnapshotStore:
         except OSError as exc:
             raise SnapshotError(f"{path}: unreadable ({exc})") from exc
         if raw[: len(MAGIC)] != MAGIC:
+            if raw[: len(MAGIC) - 2] == MAGIC[:-2]:  # ETSNAP<version>\n
+                found = bytes(raw[: len(MAGIC)]).decode(errors="replace").strip()
+                raise SnapshotError(
+                    f"{path}: format {found}, this version reads {MAGIC.decode().strip()}"
+                )
             raise SnapshotError(f"{path}: no header (torn or never completed)")
         try:
-            header = json.loads(bytes(raw[len(MAGIC) : HEADER_BYTES]))
-            end = _slot_end(header["data_bytes"], header["blob_bytes"])
-            digest = header[ALGORITHM]
+            header, end, digest = parse_header(raw)
         except (ValueError, KeyError, TypeError) as exc:
             raise SnapshotError(f"{path}: unreadable header ({exc})") from exc
         region = torch.frombuffer(raw, dtype=torch.uint8)[HEADER_BYTES:end]
-        if len(raw) < end or _sum64(region) != digest:
+        if len(raw) < end or sum64(region) != digest:
             raise SnapshotError(f"{path}: data does not match its header (torn write)")
         if header.get("fingerprint") != self.fingerprint:
             raise SnapshotError(
@@ -435,18 +345,9 @@ class SnapshotStore:
         if found is None:
             return None
         header, raw = found
-        step, blob_start = header["step"], HEADER_BYTES + header["data_bytes"]
+        step = header["step"]
         try:
-            document = json.loads(raw[blob_start : blob_start + header["blob_bytes"]])
-            data = torch.frombuffer(raw, dtype=torch.uint8)[HEADER_BYTES:]
-            tensors = [
-                data[offset : offset + nbytes]
-                .view(dtype_from_name(dtype))
-                .view(shape)
-                .to(map_location, copy=True)  # own storage: set_rng_state ignores view offsets
-                for dtype, shape, offset, nbytes in document["table"]
-            ]
-            state = decode_state(document["skeleton"], tensors)
+            state = decode(raw, header, map_location=map_location)
         except (CheckpointError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
             raise SnapshotError(f"snapshot of step {step} is unreadable: {exc}") from exc
         log.info("snapshot_loaded", step=step, path=str(self.directory))
