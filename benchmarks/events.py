@@ -1,8 +1,9 @@
 """One fault or join against a running cluster, audited the way the local
 runner audits it (``elastic_train.chaos.recovery_after``): event -> the last
 rank's record of the first step of the first attempt that started after it;
-lost steps = the highest step completed before the event minus the step that
-attempt restored.
+lost steps = the highest step recorded before the event (a rank records a
+step as its gradient all-reduce starts, so the step a failure broke counts)
+minus the step that attempt restored.
 
 The breakdown (seconds after the event) comes from the agents' log lines,
 stamped as they reach the log, and the workers' ``resume`` records:

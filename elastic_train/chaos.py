@@ -135,10 +135,12 @@ class Recovery:
 
     ``seconds`` runs from the event to the first step completed by a training
     attempt that started after it (the recovering attempt). ``lost_steps`` is
-    the work redone: the highest step completed before that attempt started
-    minus the step it restored. For a failure nothing completes in between, so
-    this is the highest step before the event; for a join the survivors train
-    on until the new round, and steps they finish after a checkpoint are lost.
+    the work redone: the highest step recorded before that attempt started
+    minus the step it restored. A rank records a step as its gradient
+    all-reduce starts, so the step a failure broke counts as lost. For a
+    failure nothing completes in between, so this is the highest step before
+    the event; for a join the survivors train on until the new round, and
+    steps they finish after a checkpoint are lost.
     """
 
     kind: ChaosKind

@@ -188,6 +188,10 @@ class ElasticConfig:
     #: of 30 ms or more, every ~5th on a 7 ms step).
     snapshot_every_steps: int = 0
     snapshot_max_overhead: float = 0.02
+    #: When a step fails (a peer died mid all-reduce), write the state of the
+    #: last completed step before exiting, so the failure loses at most the
+    #: failed step whatever the cadence (docs/checkpoints-and-snapshots.md).
+    snapshot_on_failure: bool = True
     #: Most MiB the two snapshot slots of a node may take; 0: the free space of /dev/shm.
     snapshot_max_mib: float = 0.0
 

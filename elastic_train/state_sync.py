@@ -8,7 +8,8 @@ often (:class:`SnapshotCadence`) and what happens when a snapshot cannot be
 taken (it is logged, and the node relies on disk checkpoints from then on).
 
 The loop calls :func:`open_snapshots` in ``build``, :func:`restore_state` in
-``restore``, :meth:`NodeSnapshots.after_step` once per optimizer step and
+``restore``, :meth:`NodeSnapshots.after_step` once per optimizer step,
+:meth:`NodeSnapshots.rescue` when a step fails, and
 :meth:`NodeSnapshots.close` at the end (removing the snapshot once the run is
 complete).
 """
@@ -89,24 +90,25 @@ def snapshot_run_id(env: WorkerEnv) -> str:
 class NodeSnapshots:
     """This node's snapshot store, as the loop uses it; only LOCAL_RANK 0 writes."""
 
-    def __init__(self, store: SnapshotStore, cadence: SnapshotCadence) -> None:
+    def __init__(self, store: SnapshotStore, cadence: SnapshotCadence, *, on_failure: bool) -> None:
         self.store = store
         self.cadence = cadence
         self.enabled = store.is_writer
+        self.on_failure = on_failure
         self._last_call: float | None = None
         self._last_cost = 0.0
 
-    def after_step(
-        self, step: int, state: Callable[[], dict[str, Any]], *, commit: bool = True
-    ) -> None:
+    @property
+    def rescues(self) -> bool:
+        """Whether a failed step is snapshotted (:meth:`rescue`) on this rank."""
+        return self.enabled and self.on_failure
+
+    def after_step(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
         """Snapshot ``state()`` of the step just completed when one is due.
 
-        A snapshot may be published only once every rank has written its
-        audit record of the step, i.e. after a collective that each rank
-        enters after writing it: the next step's gradient all-reduce, or the
-        step's own agreement (``train.Agreement``) at check steps. The trainer
-        writes the bytes at once (``commit=False``) and calls :meth:`commit`
-        after that collective.
+        Every rank wrote its audit record of the step before the step's
+        gradient all-reduce, which this rank has completed, so the snapshot is
+        published at once (``step.record_step``).
         """
         if not self.enabled:
             return
@@ -118,7 +120,7 @@ class NodeSnapshots:
             return
         interval = self.cadence.interval
         try:
-            self.store.save(step, state(), commit=commit)
+            self.store.save(step, state())
         except SnapshotError as exc:
             self._disable(step, exc)
             return
@@ -131,19 +133,29 @@ class NodeSnapshots:
                 step_ms=round(1000 * (self.cadence.step_seconds or 0), 3),
             )  # fmt: skip
 
-    @property
-    def pending(self) -> int | None:
-        """The step of a snapshot written but not yet published, if any."""
-        return self.store.pending_step if self.enabled else None
+    def rescue(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+        """After a step failed: snapshot ``state()``, completed step ``step``.
+        Best effort: the failure that brought us here is what the worker
+        reports, so an error here is only logged."""
+        if self.rescues:
+            self.keep(step, state, reason="failure")
 
-    def commit(self, step: int) -> None:
-        """Publish the snapshot that ``after_step(step, ..., commit=False)`` wrote, if any."""
+    def keep(self, step: int, state: Callable[[], dict[str, Any]], *, reason: str) -> bool:
+        """Make sure this node's snapshot holds ``step``; whether it does."""
         if not self.enabled:
-            return
+            return False
+        if step <= (self.cadence.last_step or 0):
+            return step == self.cadence.last_step
+        started = time.perf_counter()
         try:
-            self.store.commit()
-        except SnapshotError as exc:
-            self._disable(step, exc)
+            self.store.save(step, state())
+        except Exception as exc:  # a CUDA or NCCL error may have left the state unusable
+            log.error("snapshot_keep_failed", step=step, reason=reason, error=str(exc))
+            return False
+        self.cadence.last_step = step
+        seconds = round(time.perf_counter() - started, 4)
+        log.warning("snapshot_kept", step=step, reason=reason, seconds=seconds)
+        return True
 
     def _disable(self, step: int, exc: SnapshotError) -> None:
         self.enabled = False
@@ -182,7 +194,7 @@ def open_snapshots(
         log.error("snapshot_disabled", error=str(exc), fallback="disk checkpoints")
         return None
     cadence = SnapshotCadence(cfg.snapshot_every_steps, cfg.snapshot_max_overhead)
-    return NodeSnapshots(store, cadence)
+    return NodeSnapshots(store, cadence, on_failure=cfg.snapshot_on_failure)
 
 
 def remove_run_snapshots(run_id: str, *, root: str | Path = "/dev/shm") -> list[Path]:

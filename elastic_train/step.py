@@ -1,17 +1,18 @@
 """One optimizer step of the loop in ``train.py``, with what it records.
 
-A step is forward and backward (DDP's gradient all-reduce, the step's one
-collective), this rank's audit record, the optimizer step, the snapshot, and
+A step is forward, this rank's audit record, backward (DDP's gradient
+all-reduce, the step's one collective), the optimizer step, the snapshot, and
 at check and log steps one small all-reduce (:class:`Agreement`) of the loss
 and the preemption flag that runs while the optimizer step and the snapshot
-write go on. See docs/checkpoints-and-snapshots.md ("Per-step overhead").
+write go on. A failure in either collective first snapshots the last
+completed step (:class:`StepStart`). See docs/checkpoints-and-snapshots.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from elastic_train.datasets import load_batch
 from elastic_train.log import get_logger
+from elastic_train.rng import capture_torch_rng_state
 from elastic_train.sampler import ElasticSampler
 
 if TYPE_CHECKING:
@@ -44,13 +46,11 @@ def micro_batches(shard: list[int], micro_batch_size: int) -> list[list[int]]:
     return [shard[i : i + size] for i in range(0, len(shard), size)]
 
 
-def forward_backward(t: Trainer, indices: list[int], *, scale: float) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns the detached sum of its losses."""
+def forward(t: Trainer, indices: list[int]) -> torch.Tensor:
+    """The per-sample losses of one micro-batch."""
     inputs, targets = (x.to(t.ctx.device) for x in load_batch(t.data.dataset, indices))
     with t.precision.autocast():
-        losses = t.loss_fn(t.ddp(inputs), targets).float()
-    t.precision.backward(losses.sum() * scale)
-    return losses.detach().sum()
+        return t.loss_fn(t.ddp(inputs), targets).float()
 
 
 def optimizer_step(t: Trainer) -> None:
@@ -63,9 +63,16 @@ def optimizer_step(t: Trainer) -> None:
     t.optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(t: Trainer, batch: list[int], shard: list[int]) -> torch.Tensor:
+def train_step(
+    t: Trainer, batch: list[int], shard: list[int], *, before_sync: Callable[[torch.Tensor], None]
+) -> torch.Tensor:
     """Forward and backward of one world-size-invariant step (gradients all-reduced);
-    returns the sum of this rank's sample losses. The optimizer step is the caller's."""
+    returns the sum of this rank's sample losses. The optimizer step is the caller's.
+
+    ``before_sync(loss_sum)`` runs after the last forward, before the backward
+    whose gradient all-reduce (started bucket by bucket as backward goes) lets
+    any rank finish the step.
+    """
     scale = t.ctx.world_size / len(batch)
     chunks, weight = micro_batches(shard, t.cfg.training.micro_batch_size), 1.0
     if not chunks:
@@ -77,7 +84,11 @@ def train_step(t: Trainer, batch: list[int], shard: list[int]) -> torch.Tensor:
         # Gradients are all-reduced once per step, in the last backward.
         sync = i == len(chunks) - 1
         with contextlib.nullcontext() if sync else t.ddp.no_sync():
-            loss_sum += weight * forward_backward(t, chunk, scale=weight * scale)
+            losses = forward(t, chunk)
+            loss_sum += weight * losses.detach().sum()
+            if sync:
+                before_sync(loss_sum)
+            t.precision.backward(losses.sum() * (weight * scale))
     return loss_sum
 
 
@@ -105,17 +116,20 @@ def current_lr(t: Trainer) -> float:
     return float(t.optimizer.param_groups[0]["lr"])
 
 
-def record_step(t: Trainer, *, epoch: int, shard: list[int], loss_sum: torch.Tensor) -> None:
-    """This rank's audit record of the step.
+def record_step(
+    t: Trainer, *, step: int, epoch: int, shard: list[int], loss_sum: torch.Tensor
+) -> None:
+    """This rank's audit record of ``step``, written before its gradient all-reduce.
 
-    A snapshot of the step is published only after a collective that every
-    rank enters after writing this record (the next step's gradient
-    all-reduce, or this step's agreement), so it never holds a step whose
-    record some rank lacks. The record's loss is this rank's own mean.
+    No rank can complete the step, let alone snapshot it, before every rank
+    has entered that all-reduce, so every state that holds the step has each
+    rank's record of it; a record of a step that then fails is superseded by
+    the restart's. The record's loss is this rank's own mean (``item()``
+    waits for the forward on CUDA; the audit is on in test and benchmark runs).
     """
     if t.audit is not None:
         loss = loss_sum.item() / len(shard) if shard else 0.0
-        t.audit.step(step=t.step, epoch=epoch, indices=shard, loss=loss)
+        t.audit.step(step=step, epoch=epoch, indices=shard, loss=loss)
 
 
 def log_due(t: Trainer, step: int) -> bool:
@@ -137,15 +151,49 @@ def report_step(t: Trainer, stats: StepStats, *, local_samples: int) -> None:
         )  # fmt: skip
 
 
-def publish_snapshot(t: Trainer) -> None:
-    """Publish the previous step's snapshot: every rank recorded that step before
-    entering this step's gradient all-reduce, which has completed by now."""
-    if t.snapshots is None or t.snapshots.pending is None:
-        return
-    if t.ctx.device.type == "cuda":
-        # backward() returns before NCCL's all-reduce ends; only a sync says it did.
-        torch.cuda.current_stream(t.ctx.device).synchronize()
-    t.snapshots.commit(t.step)
+@dataclass(frozen=True)
+class StepStart:
+    """What a step changes before its optimizer step, taken as it starts (about
+    4 µs): laid over the state at a failure inside the step, it gives the
+    state of the last completed step (``snapshot_on_failure``).
+
+    Python's and NumPy's generators are not part of it (35 µs a step): the
+    step draws only from torch's, so at a failure they are still as the
+    step found them, unless user code drew from them inside the step.
+    """
+
+    step: int
+    sampler: dict[str, int]
+    torch_rng: dict[str, Any]
+    comm_hook: dict[str, Any]
+
+    @classmethod
+    def capture(cls, t: Trainer) -> StepStart:
+        return cls(
+            step=t.step, sampler=t.sampler.state_dict(), torch_rng=capture_torch_rng_state(),
+            comm_hook=t.comm_hook.state_dict(),
+        )  # fmt: skip
+
+    def rewind(self, state: dict[str, Any]) -> dict[str, Any]:
+        rng = {**state["rng"], **self.torch_rng}
+        return {
+            **state, "step": self.step, "epoch": self.sampler["epoch"], "sampler": self.sampler,
+            "rng": rng, "comm_hook": self.comm_hook,
+        }  # fmt: skip
+
+
+@contextlib.contextmanager
+def snapshot_on_failure(
+    t: Trainer, *, step: int, state: Callable[[], dict[str, Any]]
+) -> Iterator[None]:
+    """A failure inside (a peer's death breaking a collective) first snapshots
+    ``state()``, the state of completed step ``step``, then propagates."""
+    try:
+        yield
+    except Exception:
+        if t.snapshots is not None:
+            t.snapshots.rescue(step, state)
+        raise
 
 
 @dataclass(frozen=True)
@@ -160,14 +208,20 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     The ranks agree (loss, preemption flag) only at check and log steps, in
     an all-reduce that runs while this rank takes the optimizer step and
     writes the snapshot; every other step has DDP's gradient all-reduce only.
+    A failure in either collective snapshots the last completed step first.
     """
     started, epoch, lr = time.perf_counter(), t.sampler.epoch, current_lr(t)
+    start = StepStart.capture(t) if t.snapshots is not None and t.snapshots.rescues else None
     batch = t.sampler.next_global_batch()
     shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
-    loss_sum = train_step(t, batch, shard)
-    publish_snapshot(t)
+
+    def record(loss_sum: torch.Tensor) -> None:
+        record_step(t, step=t.step + 1, epoch=epoch, shard=shard, loss_sum=loss_sum)
+
+    rewound = (lambda: start.rewind(state())) if start is not None else state
+    with snapshot_on_failure(t, step=t.step, state=rewound):
+        loss_sum = train_step(t, batch, shard, before_sync=record)
     t.step += 1
-    record_step(t, epoch=epoch, shard=shard, loss_sum=loss_sum)
     due = log_due(t, t.step) or t.guards.preemption.check_due(t.step)
     agreement = Agreement(t, loss_sum) if due else None
     optimizer_step(t)
@@ -175,12 +229,11 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     if epoch_ended:
         t.sampler.start_next_epoch()
     if t.snapshots is not None:
-        t.snapshots.after_step(t.step, state, commit=False)
+        t.snapshots.after_step(t.step, state)
     loss, signalled = None, None
     if agreement is not None:
-        loss, signalled = agreement.wait(t, samples=len(batch))
-        if t.snapshots is not None:
-            t.snapshots.commit(t.step)
+        with snapshot_on_failure(t, step=t.step, state=state):
+            loss, signalled = agreement.wait(t, samples=len(batch))
     stats = StepStats(
         step=t.step, epoch=epoch, loss=loss, samples=len(batch),
         seconds=time.perf_counter() - started, lr=lr,

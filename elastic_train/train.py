@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
@@ -226,6 +227,10 @@ def restore(t: Trainer) -> None:
     if restored.source == "disk":
         saved_world_size = (t.checkpoint.loaded_metadata or {}).get("world_size")  # type: ignore[union-attr]
     t.last_saved_step = t.step
+    if restored.source == "snapshot" and t.checkpoint is not None and t.checkpoint.is_writer:
+        # The step is only in /dev/shm (a node left without a disk save, or a
+        # failure came between disk saves): the first save of the loop writes it.
+        t.last_saved_step = -1 if (t.checkpoint.latest_step() or -1) < t.step else t.step
     lost_steps = max(0, t.progress.read() - t.step)
     t.metrics.resumed(restored_step=t.step, lost_steps=lost_steps)
     log.info(
@@ -254,6 +259,27 @@ def save_checkpoint(t: Trainer, *, reason: str, blocking: bool = False) -> None:
     t.last_save_time = time.monotonic()
 
 
+def snapshot_kept_by_a_staying_node(t: Trainer) -> bool:
+    """At a preemption stop: whether a node that was not signalled now holds a
+    snapshot of this step (a collective). Then the preempted node leaves
+    without a disk save: the group resumes from that snapshot and writes the
+    step to disk right after (:func:`restore`). Only when every node is going
+    (the last node, or the whole job) does the stop wait for a disk save.
+
+    A node signalled just after this check loses its snapshot with it; if
+    all the others go the same way before the next disk save, the job
+    resumes from the last checkpoint on disk (docs/faults.md).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    kept = 0
+    if t.snapshots is not None and t.guards.preemption.received is None:
+        kept = int(t.snapshots.keep(t.step, lambda: state_dict(t), reason="preemption"))
+    total = torch.tensor([kept], device=t.ctx.device)
+    dist.all_reduce(total)
+    return int(total.item()) > 0
+
+
 def checkpoint_due(t: Trainer) -> bool:
     cfg = t.cfg.checkpoint
     by_steps = cfg.interval_steps > 0 and t.step % cfg.interval_steps == 0
@@ -275,6 +301,7 @@ def train(t: Trainer) -> TrainResult:
     )  # fmt: skip
     t.ddp.train()
     t.guards.install()
+    save_checkpoint(t, reason="restored_from_snapshot")  # a no-op unless restore() asked
     while not finished(t):
         outcome = run_step(t, state=lambda: state_dict(t))
         if outcome.epoch_ended:
@@ -285,7 +312,8 @@ def train(t: Trainer) -> TrainResult:
             run_evaluation(t, reason="interval")
         stopped = t.guards.after_step(t.step, signalled=outcome.signalled)
         if stopped is not None:
-            save_checkpoint(t, reason=stopped.value, blocking=True)
+            if not snapshot_kept_by_a_staying_node(t):
+                save_checkpoint(t, reason=stopped.value, blocking=True)
             if t.checkpoint is not None:
                 t.checkpoint.flush()  # the step may have been saved asynchronously just now
             stopped = t.guards.settle(stopped)

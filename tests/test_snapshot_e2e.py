@@ -205,3 +205,73 @@ def test_a_whole_job_restart_resumes_from_the_disk_checkpoint(
         whole.add(record)
     verdict = audit_exactly_once(whole, dataset_len=summary.dataset_len or 0)
     assert verdict.ok, verdict.detail
+
+
+@pytest.mark.slow
+def test_a_failed_step_is_snapshotted_before_the_survivors_exit(
+    tmp_path: Path, fault_free: tuple[dict, float]
+) -> None:
+    """Periodic snapshots only every 1000 steps and a disk checkpoint every 10:
+    only the survivors' snapshot of the last step completed before the peer's
+    death broke the all-reduce keeps the loss to at most one step."""
+    args = ("checkpoint.interval_steps=10", "elastic.snapshot_every_steps=1000")
+    scenario = Scenario(tmp_path / "run", steps=STEPS, nodes=3, args=args)
+
+    def script(s: Scenario) -> None:
+        s.wait_for_step(14)  # past the first snapshot (step 1) and checkpoint (step 10)
+        s.deliver("kill", 1)
+        s.wait_for_recovery(world_size=2)
+        s.finish_fast()
+
+    summary = scenario.run(script)
+    kill = summary.recoveries[0]
+    assert kill.restore_source == "snapshot", summary.to_json()
+    assert kill.lost_steps is not None and kill.lost_steps <= 1, kill
+    rescued = set()
+    for node in ("node0", "node2"):
+        for line in (scenario.run_dir / "logs" / f"{node}.log").read_text().splitlines():
+            if '"snapshot_kept"' in line:
+                event = json.loads(line[line.index("{") :])
+                rescued.add((event["reason"], event["step"]))
+    assert ("failure", kill.restored_step) in rescued, (rescued, kill)
+    assert summary.exactly_once, summary.exactly_once_detail
+    _assert_ends_like_fault_free(summary, scenario.run_dir, fault_free)
+
+
+def _events(scenario: Scenario, name: str) -> list[dict]:
+    """Every node's log records of event ``name``."""
+    found = []
+    for log in sorted((scenario.run_dir / "logs").glob("node*.log")):
+        for line in log.read_text().splitlines():
+            if f'"event": "{name}"' in line:
+                found.append(json.loads(line[line.index("{") :]))
+    return found
+
+
+@pytest.mark.slow
+def test_a_preempted_node_leaves_without_a_disk_save_while_others_stay(
+    tmp_path: Path, fault_free: tuple[dict, float]
+) -> None:
+    """SIGTERM to one node of three, with periodic snapshots and checkpoints
+    too rare to help: the staying nodes snapshot the stop step, so nobody
+    waits for a disk save at the stop; the group resumes from that snapshot
+    (zero lost steps) and then writes the step to disk."""
+    args = ("checkpoint.interval_steps=1000", "elastic.snapshot_every_steps=1000")
+    scenario = Scenario(tmp_path / "run", steps=STEPS, nodes=3, args=args)
+
+    def script(s: Scenario) -> None:
+        s.wait_for_step(20)  # between the epoch-end checkpoints of steps 16 and 32
+        s.deliver("term", 1)
+        s.wait_for_recovery(world_size=2)
+        s.finish_fast()
+
+    summary = scenario.run(script)
+    term = summary.recoveries[0]
+    assert (term.lost_steps, term.restore_source) == (0, "snapshot"), summary.to_json()
+    stop = term.restored_step
+    kept = {(e["node"], e["step"]) for e in _events(scenario, "snapshot_kept")}
+    assert {("node0", stop), ("node2", stop)} <= kept, kept
+    saved = [e for e in _events(scenario, "checkpoint_saved") if e["step"] == stop]
+    assert saved and all(e["world_size"] == 2 for e in saved), saved  # after the restart only
+    assert summary.exactly_once, summary.exactly_once_detail
+    _assert_ends_like_fault_free(summary, scenario.run_dir, fault_free)
