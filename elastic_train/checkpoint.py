@@ -4,23 +4,23 @@ Layout under ``directory``::
 
     step-000000120/            one directory per checkpoint
         state.pt               torch.save of the host copy of the state
-        MANIFEST.json          written LAST: the completion marker
+        MANIFEST.json          checksum + size of state.pt, fingerprint, metadata
     .tmp-step-000000140-ab12   a save in progress (never read)
 
-A save writes ``state.pt`` and then the manifest (checksum and size of each
-file, the config fingerprint, metadata; see ``checkpoint_files``) into a temporary directory, fsyncs
-both files and the directory, renames the directory to its final name and
-fsyncs the parent: four fsyncs, and the rename is the commit. A crash at any
-point therefore leaves either a temporary directory (removed by the next
-writer) or a complete checkpoint; a step directory without a manifest (from an
-older layout, or foreign) is never loaded. The manifest carries a checksum of
-itself, so a bit flip in it is seen as corruption and not as, say, a different
-fingerprint.
+A save writes ``state.pt`` and then the manifest (see ``checkpoint_files``)
+into a temporary directory, fsyncs both files and the directory, renames the
+directory to its final name and fsyncs the parent: four fsyncs, and the rename
+is the commit. A crash at any point therefore leaves either a temporary
+directory (removed by the next writer) or a complete checkpoint; a step
+directory without a manifest (an older layout's crash, or foreign) is never
+loaded. The manifest carries a checksum of itself, so a bit flip in it is seen
+as corruption and not as, say, a different fingerprint.
 
 Asynchronous saves copy the state into host buffers kept from the previous
-save (``staging.HostStaging``) and hand it to one long-lived writer thread.
-There is one set of buffers, not two: a save first waits for the previous
-write, so the writer never reads a buffer that is being refilled.
+save (``staging.HostStaging``) and queue the write on one long-lived writer
+thread. One set of buffers, not two: a save first waits for the previous write
+(as it always has: one save in flight at most), so the writer never reads a
+buffer that is being refilled, and a second set would only cost memory.
 
 Loading verifies the manifest and the checksum of the bytes *before* they reach
 ``torch.load(weights_only=True)``, so a file that is not one of our checkpoints
