@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -91,3 +94,32 @@ def test_one_writer_thread_serves_every_save_and_stops_at_close(tmp_path: Path) 
     assert len(_writer_threads()) == before
     assert manager.latest_step() == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000003", "step-000000004"]
+
+
+_SAVE_AT_EXIT = textwrap.dedent(
+    """
+    import atexit, sys
+    import torch
+    from elastic_train.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(sys.argv[1], keep=2, fingerprint="fp", is_writer=True)
+    manager.save(1, {"w": torch.ones(3)})
+    # atexit runs after the interpreter stopped its thread pools: no writer thread any more.
+    atexit.register(lambda: manager.save(2, {"w": torch.full((3,), 2.0)}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_save_after_the_writer_pool_shut_down_is_written_in_the_caller(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _SAVE_AT_EXIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    reader = CheckpointManager(tmp_path, keep=2, fingerprint="fp", is_writer=False)
+    assert reader.latest_step() == 2
+    assert torch.equal(reader.load(2, map_location="cpu")["w"], torch.full((3,), 2.0))
