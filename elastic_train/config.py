@@ -238,6 +238,8 @@ class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: "auto": JSON lines unless stderr is a terminal.
     format: Literal["auto", "json", "console"] = "auto"
+    #: A "step" line at the first preemption check at or after every this many
+    #: steps: the line carries the global loss, which the ranks agree on there.
     log_every_steps: int = 10
     #: Directory for the per-step audit records (docs/DESIGN.md); "" disables them.
     audit_dir: str = ""

@@ -84,6 +84,7 @@ class Trainer:
     eval_set: Any
     step: int = 0
     last_saved_step: int = 0
+    last_logged_step: int = 0
     last_save_time: float = field(default_factory=time.monotonic)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics.from_env)
     snapshots: NodeSnapshots | None = None
