@@ -8,7 +8,6 @@ single-process group on an in-memory store, so the training code has one path.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,11 +19,9 @@ import torch.distributed as dist
 from elastic_train.config import ElasticConfig
 from elastic_train.errors import ConfigError
 from elastic_train.log import get_logger
+from elastic_train.metrics import node_name_from
 
 log = get_logger(__name__)
-
-#: The node name the runner and the manifests set (docs/DESIGN.md, audit protocol).
-NODE_ENV = "ELASTIC_TRAIN_NODE"
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,7 @@ def read_worker_env(environ: Mapping[str, str] = os.environ) -> WorkerEnv:
         local_world_size=integer("LOCAL_WORLD_SIZE", 1),
         restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0),
         run_id=environ.get("TORCHELASTIC_RUN_ID", "standalone"),
-        node=environ.get(NODE_ENV) or socket.gethostname(),
+        node=node_name_from(environ),
         launched="WORLD_SIZE" in environ,
     )
     if not 0 <= env.rank < env.world_size:

@@ -218,10 +218,19 @@ _ALL: tuple[MetricWrapperBase, ...] = tuple(
 )
 
 
+#: The node name the runner and the manifests set (docs/DESIGN.md, audit protocol).
+NODE_ENV = "ELASTIC_TRAIN_NODE"
+
+
+def node_name_from(environ: Mapping[str, str]) -> str:
+    """The node's name: ``ELASTIC_TRAIN_NODE`` (set by the runner and manifests), else the host."""
+    return environ.get(NODE_ENV) or socket.gethostname()
+
+
 @cache
 def node_name() -> str:
-    """The node's name: ``ELASTIC_TRAIN_NODE`` (set by the runner and manifests), else the host."""
-    return os.environ.get("ELASTIC_TRAIN_NODE") or socket.gethostname()
+    """This process's node name (:func:`node_name_from` its environment, read once)."""
+    return node_name_from(os.environ)
 
 
 def enable_multiprocess(directory: Path) -> None:
