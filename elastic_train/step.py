@@ -2,7 +2,7 @@
 
 A step is forward, this rank's audit record, backward (DDP's gradient
 all-reduce, the step's one collective), the optimizer step, the snapshot, and
-at check and log steps one small all-reduce (:class:`Agreement`) of the loss
+at check steps one small all-reduce (:class:`Agreement`) of the loss
 and the preemption flag that runs while the optimizer step and the snapshot
 write go on. A failure in either collective first snapshots the last
 completed step (:class:`StepStart`). See docs/checkpoints-and-snapshots.md.
@@ -134,9 +134,9 @@ def record_step(
 
 def log_due(t: Trainer, stats: StepStats) -> bool:
     """A log line needs the global loss, which the ranks agree on only at
-    check steps: the first check at or after each ``log_every_steps`` steps
-    (every 10 steps for steps of 5 ms or more; about every 50 ms otherwise),
-    so logging adds no collective of its own."""
+    check steps: the first check at or after each ``log_every_steps`` steps,
+    so about every ``max(log_every_steps steps, 50 ms)``, and logging adds no
+    collective of its own."""
     if stats.loss is None:
         return False
     return stats.step == 1 or stats.step - t.last_logged_step >= t.cfg.logging.log_every_steps
@@ -212,7 +212,7 @@ class StepOutcome:
 def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     """One optimizer step with its records and its snapshot.
 
-    The ranks agree (loss, preemption flag) only at check and log steps, in
+    The ranks agree (loss, preemption flag) only at check steps and step 1, in
     an all-reduce that runs while this rank takes the optimizer step and
     writes the snapshot; every other step has DDP's gradient all-reduce only.
     A failure in either collective snapshots the last completed step first.
