@@ -269,7 +269,7 @@ def snapshot_kept_by_a_staying_node(t: Trainer) -> bool:
 
     A node signalled just after this check loses its snapshot with it; if
     all the others go the same way before the next disk save, the job
-    resumes from the last checkpoint on disk (docs/faults.md).
+    resumes from the last checkpoint on disk (docs/checkpoints-and-snapshots.md).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return False
