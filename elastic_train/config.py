@@ -182,10 +182,9 @@ class ElasticConfig:
     #: node), so a failure loses at most the steps since the last copy
     #: (docs/checkpoints-and-snapshots.md). Off: disk checkpoints only.
     snapshot: bool = True
-    #: Snapshot every this many steps; 0: every step while a copy costs at most
-    #: snapshot_max_overhead of the step time, else the fewest steps that stay
-    #: within it (a 0.9 MiB state took 0.4-0.65 ms here: every step for steps
-    #: of 30 ms or more, every ~5th on a 7 ms step).
+    #: Snapshot at multiples of this many steps; 0: every step while a copy
+    #: costs at most snapshot_max_overhead of the step time, else at multiples
+    #: of the smallest power of two that stays within it (so that nodes line up).
     snapshot_every_steps: int = 0
     snapshot_max_overhead: float = 0.02
     #: When a step fails (a peer died mid all-reduce), write the state of the

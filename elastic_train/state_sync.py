@@ -46,9 +46,16 @@ _RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 @dataclass
 class SnapshotCadence:
-    """When the next snapshot is due: every ``every`` steps, or (``every == 0``)
-    every step while a snapshot costs at most ``max_overhead`` of the training
-    time, and otherwise every K steps, the smallest K that stays within it."""
+    """When the next snapshot is due: at the first step of an attempt, then at
+    multiples of ``every``, or (``every == 0``) of K, the smallest power of two
+    that keeps snapshots within ``max_overhead`` of the training time.
+
+    Each node measures its own K, but DDP makes every rank wait for the
+    slowest at the next all-reduce, so snapshots at different steps on
+    different nodes would cost the sum of them. Multiples of powers of two
+    line them up: a node's snapshot steps are a subset of those of any node
+    with a smaller K.
+    """
 
     every: int
     max_overhead: float
@@ -63,7 +70,7 @@ class SnapshotCadence:
             self.interval = self.every
 
     def due(self, step: int) -> bool:
-        return self.last_step is None or step - self.last_step >= self.interval
+        return self.last_step is None or (step % self.interval == 0 and step > self.last_step)
 
     def observe_step(self, seconds: float) -> None:
         self.step_seconds = _smooth(self.step_seconds, seconds)
@@ -75,7 +82,8 @@ class SnapshotCadence:
             self.snapshot_seconds = _smooth(self.snapshot_seconds, seconds)
         if self.every == 0 and self.snapshot_seconds is not None and self.step_seconds:
             budget = self.max_overhead * self.step_seconds
-            self.interval = max(1, math.ceil(self.snapshot_seconds / budget))
+            needed = max(1, math.ceil(self.snapshot_seconds / budget))
+            self.interval = 1 << (needed - 1).bit_length()
 
 
 def _smooth(previous: float | None, value: float) -> float:

@@ -38,12 +38,13 @@ def test_a_fixed_interval_snapshots_every_n_steps() -> None:
         if cadence.due(step):
             cadence.observe_snapshot(step, seconds=1.0)  # cost never changes a fixed interval
             taken.append(step)
-    assert taken == [1, 4, 7, 10]
+    assert taken == [1, 3, 6, 9]  # the first step, then multiples: the same steps on every node
 
 
 @pytest.mark.parametrize(
     ("step_ms", "snapshot_ms", "interval"),
-    [(100.0, 1.0, 1), (60.0, 1.0, 1), (10.0, 0.9, 5), (7.0, 0.65, 5), (1.0, 0.99, 50)],
+    # K = the power of two at or above snapshot / (2 % of the step): 4.5 -> 8, 49.5 -> 64
+    [(100.0, 1.0, 1), (60.0, 1.0, 1), (10.0, 0.9, 8), (7.0, 0.65, 8), (1.0, 0.99, 64)],
 )
 def test_the_adaptive_interval_keeps_snapshots_within_the_budget(
     step_ms: float, snapshot_ms: float, interval: int
@@ -55,8 +56,26 @@ def test_the_adaptive_interval_keeps_snapshots_within_the_budget(
         cadence.observe_step(step_ms / 1000)
         cadence.observe_snapshot(step, seconds=snapshot_ms / 1000)
     assert cadence.interval == interval
-    assert not cadence.due(38 + interval)
-    assert cadence.due(39 + interval)
+    assert snapshot_ms / (interval * step_ms) <= 0.02
+    assert [s for s in range(40, 40 + 2 * interval) if cadence.due(s)] == [
+        s for s in range(40, 40 + 2 * interval) if s % interval == 0
+    ]
+
+
+def test_nodes_with_different_costs_snapshot_at_common_steps() -> None:
+    """DDP waits for the slowest rank: the steps of a node that snapshots
+    less often are among those of a node that snapshots more often."""
+    nodes = [SnapshotCadence(every=0, max_overhead=0.02) for _ in range(3)]
+    taken: list[set[int]] = [set() for _ in nodes]
+    for step in range(1, 400):
+        for cadence, snapshot_ms, steps in zip(nodes, (0.5, 1.3, 3.1), taken, strict=True):
+            cadence.observe_step(0.01)
+            if cadence.due(step):
+                cadence.observe_snapshot(step, seconds=snapshot_ms / 1000)
+                steps.add(step)
+    late = [{s for s in steps if s > 100} for steps in taken]
+    assert late[2] <= late[1] <= late[0], [len(s) for s in late]
+    assert len(late[0]) > len(late[1]) > len(late[2]) > 0
 
 
 def test_nodes_sharing_dev_shm_get_their_own_directory() -> None:
