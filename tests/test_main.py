@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from torch.multiprocessing import ProcessExitedException
 from trainer_procs import TINY_JOB, final_params, run_workers
 
 from elastic_train.config import from_dict, load_config
-from elastic_train.distributed import WorkerEnv, read_worker_env
+from elastic_train.distributed import WorkerEnv, read_worker_env, wait_for_listener
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.main import main, run
 
@@ -150,3 +153,23 @@ def test_worker_environment_from_torchrun() -> None:
         run_id="job7", node="node1", launched=True,
     )  # fmt: skip
     assert not read_worker_env({}).launched
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen() -> None:
+    """Ranks other than 0 poll for rank 0's TCPStore before joining, instead of
+    falling into the store client's 0.7 s back-off when they start first."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    started = time.monotonic()
+    assert not wait_for_listener("127.0.0.1", port, timeout=0.2)  # bound, not listening
+    assert time.monotonic() - started >= 0.2
+    outcome: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: outcome.append(wait_for_listener("127.0.0.1", port, timeout=30))
+    )
+    waiter.start()
+    server.listen()
+    waiter.join(timeout=30)
+    server.close()
+    assert outcome == [True]
