@@ -166,7 +166,9 @@ class StepStart:
 
     Python's and NumPy's generators are not part of it (35 µs a step): the
     step draws only from torch's, so at a failure they are still as the
-    step found them, unless user code drew from them inside the step.
+    step found them, unless user code drew from them inside the step. Nor
+    are model buffers that the forward updates (BatchNorm's running
+    statistics), which keep the failed step's batch.
     """
 
     step: int
