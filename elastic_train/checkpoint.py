@@ -54,9 +54,6 @@ from elastic_train.checkpoint_files import (
     write_manifest,
     write_state,
 )
-
-# The name tests that forge manifests knew before the format moved to checkpoint_files.
-from elastic_train.checkpoint_files import manifest_checksum as _manifest_checksum  # noqa: F401
 from elastic_train.errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,

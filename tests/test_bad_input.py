@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train import checkpoint as ckpt
+from elastic_train.checkpoint_files import manifest_checksum
 from elastic_train.config import fingerprint, load_config
 from elastic_train.errors import EXIT_CHECKPOINT_FAILURES, EXIT_CONFIG_ERROR
 from elastic_train.main import main
@@ -82,7 +83,7 @@ def _plant(directory: Path, step: int, payload: bytes, *, fingerprint_: str) -> 
                                     "bytes": len(payload)}},
         "metadata": {"step": step, "world_size": 1},
     }  # fmt: skip
-    manifest = {"body": body, "sha256": ckpt._manifest_checksum(body)}
+    manifest = {"body": body, "sha256": manifest_checksum(body)}
     (step_dir / ckpt.MANIFEST).write_text(json.dumps(manifest))
 
 
