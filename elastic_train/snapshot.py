@@ -116,7 +116,6 @@ class SnapshotStore:
         self._head: tuple[int, int] | None = None  # (slot, step) this writer last flipped to
         self._lock_fd: int | None = None
         self._head_fd: int | None = None
-        self._pending: tuple[int, int] | None = None  # (slot, step) written, not yet in HEAD
         self._encoder = SlotEncoder(fingerprint)
         if is_writer:
             self._make_private_directory()
@@ -147,20 +146,27 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, state: dict, *, commit: bool = True) -> None:
-        """Snapshot ``state`` as ``step``; synchronous, one copy of the tensor bytes.
-
-        With ``commit=False`` the slot is complete but HEAD still names the
-        previous snapshot until :meth:`commit`: a caller that must first learn
-        whether the step may be published (every rank recorded it) writes the
-        bytes while it waits. Raises ``SnapshotError`` when it does not fit or
-        the write fails; the previous snapshot stays valid, and the trainer
-        should stop snapshotting and rely on disk checkpoints. Non-writers
-        return at once.
+    def save(self, step: int, state: dict) -> None:
+        """Snapshot ``state`` as ``step`` and publish it; synchronous, one copy of
+        the tensor bytes. Raises ``SnapshotError`` when it does not fit or the
+        write fails; the previous snapshot stays valid, and the trainer should
+        stop snapshotting and rely on disk checkpoints. Non-writers return at once.
         """
         if not self.is_writer:
             return
         start = time.perf_counter()
+        slot, end = self._write_slot(step, state)
+        try:
+            self._flip_head(slot, step)
+        except OSError as exc:
+            raise SnapshotError(
+                f"publishing the snapshot of step {step} in {self.directory} failed: {exc}; "
+                "the previous snapshot is intact"
+            ) from exc
+        self.last_stats = SnapshotStats(step, time.perf_counter() - start, end)
+
+    def _write_slot(self, step: int, state: dict) -> tuple[int, int]:
+        """Write a complete slot that HEAD does not name yet; its index and end."""
         encoded = self._encoder.encode(state)
         if self._head is None:
             self._head = self._read_head()
@@ -176,36 +182,13 @@ class SnapshotStore:
             mapping.mm[blob_start:end] = encoded.blob.ljust(end - blob_start, b"\0")
             digest = sum64(mapping.region[HEADER_BYTES:end])
             mapping.mm[:HEADER_BYTES] = self._encoder.header(step, encoded, digest)
-            self._pending = (slot, step)
-            if commit:
-                self.commit()
         except OSError as exc:
-            self._pending = None
             log.error("snapshot_write_failed", step=step, error=str(exc), errno=exc.errno)
             raise SnapshotError(
                 f"writing the snapshot of step {step} to {self.directory} failed: {exc}; "
                 "the previous snapshot is intact"
             ) from exc
-        self.last_stats = SnapshotStats(step, time.perf_counter() - start, end)
-
-    @property
-    def pending_step(self) -> int | None:
-        """The step that ``save(commit=False)`` wrote and :meth:`commit` has not published."""
-        return self._pending[1] if self._pending is not None else None
-
-    def commit(self) -> None:
-        """Publish the slot the last ``save(commit=False)`` wrote; a no-op without one."""
-        if self._pending is None:
-            return
-        slot, step = self._pending
-        self._pending = None
-        try:
-            self._flip_head(slot, step)
-        except OSError as exc:
-            raise SnapshotError(
-                f"publishing the snapshot of step {step} in {self.directory} failed: {exc}; "
-                "the previous snapshot is intact"
-            ) from exc
+        return slot, end
 
     def _check_fits(self, size: int, *, active: int | None) -> None:
         active_size = _file_size(self._slot_path(active)) if active is not None else 0
@@ -319,7 +302,7 @@ class SnapshotStore:
             return None
         # HEAD names the current slot. The other is used only if the current
         # one is damaged, and only if it is older: a newer one was written but
-        # never committed (save(commit=False)), so no one vouched for it.
+        # its save died before publishing it, so no one vouched for it.
         try:
             return self._read_slot(head[0])
         except SnapshotError as exc:

@@ -114,7 +114,7 @@ def test_a_damaged_current_slot_falls_back_to_the_other(store: SnapshotStore) ->
 
 def test_an_uncommitted_snapshot_is_never_used(store: SnapshotStore) -> None:
     store.save(1, _state(1))
-    store.save(2, _state(2), commit=False)  # complete bytes, not yet vouched for
+    slot, _ = store._write_slot(2, _state(2))  # complete bytes; the save "died" before HEAD
     assert store.load(map_location="cpu")[0] == 1
     # Even with the committed slot damaged, the newer uncommitted one is refused.
     head = json.loads((store.directory / "HEAD").read_text())
@@ -123,7 +123,7 @@ def test_an_uncommitted_snapshot_is_never_used(store: SnapshotStore) -> None:
     data[HEADER_BYTES + 8] ^= 0x01
     current.write_bytes(bytes(data))
     assert store.load(map_location="cpu") is None
-    store.commit()
+    store._flip_head(slot, 2)
     step, state = store.load(map_location="cpu")
     assert step == 2 and torch.equal(state["model"]["w"], _state(2)["model"]["w"])
 
