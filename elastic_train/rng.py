@@ -43,12 +43,12 @@ def capture_rng_state() -> dict[str, Any]:
     state = capture_torch_rng_state()
     # One tensor rather than a list of 625 ints: cheaper to copy and serialize.
     # NumPy builds it in 10 µs, torch.tensor from the tuple in 30 µs.
-    ints = torch.from_numpy(np.array(internal, dtype=np.int64)) if np is not None else None
-    state["python"] = {
-        "version": version,
-        "state": ints if ints is not None else torch.tensor(internal, dtype=torch.int64),
-        "gauss_next": gauss_next,
-    }
+    ints = (
+        torch.from_numpy(np.array(internal, dtype=np.int64))
+        if np is not None
+        else torch.tensor(internal, dtype=torch.int64)
+    )
+    state["python"] = {"version": version, "state": ints, "gauss_next": gauss_next}
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = {
