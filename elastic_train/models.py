@@ -97,6 +97,8 @@ def char_transformer(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
 @LOSSES.register("cross_entropy")
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-sample cross entropy; for sequences, the mean over the sample's positions."""
+    if output.dim() == 2:  # one position per sample: skip the reshape and mean nodes
+        return F.cross_entropy(output, target, reduction="none")
     losses = F.cross_entropy(
         output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="none"
     )

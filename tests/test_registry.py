@@ -95,3 +95,13 @@ def test_cross_entropy_is_per_sample() -> None:
     assert per_sample.shape == (3,)
     expected = torch.nn.functional.cross_entropy(logits.reshape(15, 7), targets.reshape(15))
     torch.testing.assert_close(per_sample.mean(), expected)
+
+
+def test_cross_entropy_of_one_position_per_sample_is_each_samples_loss() -> None:
+    logits = torch.randn(6, 7)
+    targets = torch.randint(0, 7, (6,))
+    per_sample = LOSSES.resolve("cross_entropy")(logits, targets)
+    assert per_sample.shape == (6,)
+    for i in range(6):
+        expected = torch.nn.functional.cross_entropy(logits[i : i + 1], targets[i : i + 1])
+        torch.testing.assert_close(per_sample[i], expected)
