@@ -97,6 +97,8 @@ class BenchCluster:
             cluster_spec(competitor, workload, rdzv_endpoint=endpoint, **spec), run_dir=workdir
         )
         self.tail = AuditTail(self.local.audit_dir)
+        #: The highest step recorded at each world size so far.
+        self.highest_step: dict[int, int] = {}
         self.logs = LogFollower(workdir / "logs")
 
     def __enter__(self) -> BenchCluster:
@@ -121,12 +123,21 @@ class BenchCluster:
     def wait(self, what: str, predicate: Callable[[], Any], *, timeout: float) -> Any:
         """Poll the audit until ``predicate()`` is truthy; ClusterError on timeout."""
         deadline = time.monotonic() + timeout
+        first = True
         while time.monotonic() < deadline:
-            self.tail.poll()
+            new = self.tail.poll()
+            for record in new:
+                if isinstance(record, StepRecord):
+                    size = record.world_size
+                    self.highest_step[size] = max(self.highest_step.get(size, 0), record.step)
             self.local.poll()
-            value = predicate()
-            if value:
-                return value
+            # Predicates read only the audit: re-read it only when records
+            # arrived, so that the driver takes little CPU from the workers.
+            if new or first:
+                first = False
+                value = predicate()
+                if value:
+                    return value
             if not self.local.alive_nodes():
                 raise ClusterError(f"every agent exited while waiting for {what}")
             time.sleep(POLL_S)
@@ -138,7 +149,7 @@ class BenchCluster:
     def wait_step(self, step: int, *, world_size: int, timeout: float) -> None:
         self.wait(
             f"step {step} at world size {world_size}",
-            lambda: any(r.step >= step for r in self.steps(world_size=world_size)),
+            lambda: self.highest_step.get(world_size, 0) >= step,
             timeout=timeout,
         )
 

@@ -92,9 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
     parser.set_defaults(competitors="ours,c10d-default")
     args = parser.parse_args(argv)
-    # About 10 s of window: on the shared 2-core box a 2 s window spread
-    # the ratio by +-0.15 between runs; checkpoints (every 25) are in it 80 times.
-    kwargs: dict[str, Any] = {"warmup_steps": 200, "window_steps": 2000, "timeout": 300.0}
+    # About 10 s of window: on the 2-core box a 2 s window spread the ratio by
+    # +-0.15 between runs, and a 10 s one still by +-0.05 (the two workers
+    # fill both cores, so any other process's wake-up stalls a step).
+    kwargs: dict[str, Any] = {"warmup_steps": 300, "window_steps": 3000, "timeout": 300.0}
     if args.smoke:
         kwargs = {"warmup_steps": 5, "window_steps": 30, "timeout": 60.0}
     harness.run_benchmark(
