@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.set_defaults(competitors="ours,c10d-default")
     args = parser.parse_args(argv)
     # About 10 s of window: on the 2-core box a 2 s window spread the ratio by
-    # +-0.15 between runs, and a 10 s one still by +-0.05 (the two workers
+    # +-0.15 between runs, and a 10 s one still by about +-0.1 (the two workers
     # fill both cores, so any other process's wake-up stalls a step).
     kwargs: dict[str, Any] = {"warmup_steps": 300, "window_steps": 3000, "timeout": 300.0}
     if args.smoke:
