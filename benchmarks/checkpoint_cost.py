@@ -13,6 +13,15 @@ Reported per variant: samples/s over the window, the throughput loss against
 (``blocked_seconds``: for async saves, the copy to host memory plus any wait
 for the previous save).
 
+Samples/s of one run moves by tens of per cent on a shared 2-core box, more
+than a save costs, so the targets use the loss *within* each run instead:
+``excess_fraction`` is the share of the window's time above ``steps x`` the
+run's median step (saves are a few steps in a hundred, so the median is a
+step without one; an async save's writer slowing the next steps counts too),
+and a variant's ``in_run_loss`` is its median excess minus that of ``none``
+of the same model, whose steps vary as much without any save. It needs steps
+without a save, so the per-step snapshot keeps the samples/s comparison.
+
 The loop runs one intra-op thread (``torch.set_num_threads(1)``), which leaves
 the second core of a 2-core machine to the background writer, as a GPU
 trainer leaves its host CPU mostly idle.
@@ -39,7 +48,7 @@ from elastic_train.snapshot import SnapshotStore
 
 METRICS = (
     "samples_per_second", "blocked_seconds_per_save", "first_save_blocked_seconds",
-    "later_saves_blocked_seconds", "save_seconds_per_save", "state_mb",
+    "later_saves_blocked_seconds", "save_seconds_per_save", "state_mb", "excess_fraction",
 )  # fmt: skip
 TARGET_ASYNC_LOSS = 0.01
 TARGET_SYNC_LOSS_MIN = 0.10
@@ -135,19 +144,19 @@ def measure(variant: Variant, workdir: Path, *, steps: int, interval: int) -> di
     x = torch.randn(size.batch, size.width)
     y = torch.randint(0, 8, (size.batch,))
     saver = Saver(variant.saver, workdir, interval)
-    warmup = 3
+    warmup, ends = 3, []
     try:
         for step in range(1, warmup + steps + 1):
-            if step == warmup + 1:
-                started = time.perf_counter()
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             saver.after_step(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
-        elapsed = time.perf_counter() - started
+            ends.append(time.perf_counter())
     finally:
         saver.close()
+    durations = [b - a for a, b in zip(ends[warmup - 1 : -1], ends[warmup:], strict=True)]
+    elapsed = ends[-1] - ends[warmup - 1]
     state_bytes = tensor_bytes({"model": model.state_dict(), "optimizer": opt.state_dict()})
     blocked = saver.blocked
     saves = saver.save_seconds() if saver.manager is not None else blocked
@@ -161,6 +170,7 @@ def measure(variant: Variant, workdir: Path, *, steps: int, interval: int) -> di
         "later_saves_blocked_seconds": statistics.median(blocked[1:]) if blocked[1:] else None,
         "save_seconds_per_save": statistics.median(saves) if saves else None,
         "state_mb": state_bytes / 1e6,
+        "excess_fraction": 1.0 - steps * statistics.median(durations) / elapsed,
     }
 
 
@@ -183,27 +193,37 @@ def variants(large: ModelSize) -> list[Variant]:
 
 
 def add_losses(summary: dict[str, dict[str, Any]]) -> None:
-    """throughput_loss = 1 - samples/s of the variant / samples/s of ``none``, same model."""
+    """Against ``none`` of the same model: ``throughput_loss`` = 1 - the ratio
+    of median samples/s; ``in_run_loss`` = the difference of median excess
+    fractions (module doc)."""
     for name, entry in summary.items():
-        base = harness.median_of(summary, name.split("-")[0] + "-none", "samples_per_second")
+        base_name = name.split("-")[0] + "-none"
+        base = harness.median_of(summary, base_name, "samples_per_second")
         own = harness.median_of(summary, name, "samples_per_second")
         loss = None if own is None or not base else 1.0 - own / base
         entry["throughput_loss"] = {"median": loss, "min": None, "max": None, "n": 1}
+        excess = harness.median_of(summary, name, "excess_fraction")
+        base_excess = harness.median_of(summary, base_name, "excess_fraction")
+        in_run = None if excess is None or base_excess is None else excess - base_excess
+        entry["in_run_loss"] = {"median": in_run, "min": None, "max": None, "n": 1}
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
     add_losses(summary)
     loss = {n: harness.median_of(summary, n, "throughput_loss") for n in summary}
+    in_run = {n: harness.median_of(summary, n, "in_run_loss") for n in summary}
     sync_save = harness.median_of(summary, "large-sync", "save_seconds_per_save")
     async_blocked = harness.median_of(summary, "large-async", "blocked_seconds_per_save")
     return [
         harness.Target(
-            "sync saves lose, fraction (must be > 0.10 for the test to mean anything)",
-            loss.get("large-sync"),
+            "sync saves lose, fraction within runs (must be > 0.10 for the test to mean anything)",
+            in_run.get("large-sync"),
             TARGET_SYNC_LOSS_MIN,
             kind="min",
         ),
-        harness.Target("async saves lose, fraction", loss.get("large-async"), TARGET_ASYNC_LOSS),
+        harness.Target(
+            "async saves lose, fraction within runs", in_run.get("large-async"), TARGET_ASYNC_LOSS
+        ),
         harness.Target(
             "async blocked / sync save time",
             harness.ratio(async_blocked, sync_save),

@@ -99,15 +99,17 @@ def throughput_table(result: dict[str, Any]) -> list[str]:
 
 def checkpoint_table(result: dict[str, Any]) -> list[str]:
     rows = [
-        "| variant | state, MB | samples/s | throughput loss | blocked per save, s "
-        "| first save blocked, s | later saves blocked, s | save time, s | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | state, MB | samples/s | throughput loss | loss within runs "
+        "| blocked per save, s | first save blocked, s | later saves blocked, s "
+        "| save time, s | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in result["summary"].items():
         rows.append(
             f"| {name} | {fmt(entry['state_mb']['median'], 0)} "
             f"| {spread(entry['samples_per_second'], 0)} "
             f"| {fmt(entry.get('throughput_loss', {}).get('median'), 3)} "
+            f"| {fmt(entry.get('in_run_loss', {}).get('median'), 3)} "
             f"| {spread(entry['blocked_seconds_per_save'], 3)} "
             f"| {spread(entry.get('first_save_blocked_seconds'), 3)} "
             f"| {spread(entry.get('later_saves_blocked_seconds'), 3)} "

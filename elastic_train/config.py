@@ -183,8 +183,9 @@ class ElasticConfig:
     #: (docs/checkpoints-and-snapshots.md). Off: disk checkpoints only.
     snapshot: bool = True
     #: Snapshot at multiples of this many steps; 0: every step while a copy
-    #: costs at most snapshot_max_overhead of the step time, else at multiples
-    #: of the smallest power of two that stays within it (so that nodes line up).
+    #: (its save and the slowdown of the two steps after it) costs at most
+    #: snapshot_max_overhead of the step time, else at multiples of the
+    #: smallest power of two that stays within it (so that nodes line up).
     snapshot_every_steps: int = 0
     snapshot_max_overhead: float = 0.02
     #: When a step fails (a peer died mid all-reduce), write the state of the

@@ -41,6 +41,10 @@ log = get_logger(__name__)
 
 #: Weight of the newest measurement in the running step and snapshot times.
 _SMOOTHING = 0.2
+#: Steps after a snapshot whose slowdown counts as part of its cost.
+AFTERMATH = 2
+#: K until a snapshot's cost is measured: leaves a step away from snapshots.
+_FIRST_INTERVAL = 4
 _RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -49,6 +53,14 @@ class SnapshotCadence:
     """When the next snapshot is due: at the first step of an attempt, then at
     multiples of ``every``, or (``every == 0``) of K, the smallest power of two
     that keeps snapshots within ``max_overhead`` of the training time.
+
+    A snapshot costs more than its ``save()``: copying the state evicts the
+    model from the caches, so the next steps run slower, and under DDP the
+    other ranks wait for them. Its cost is therefore the save plus how much
+    the ``AFTERMATH`` steps after it exceed the step time measured away from
+    snapshots (``step_seconds``). Where K is at most ``AFTERMATH`` no step is
+    away from a snapshot, and the last such measure stands; K starts at
+    ``_FIRST_INTERVAL`` so that there is one.
 
     Each node measures its own K, but DDP makes every rank wait for the
     slowest at the next all-reduce, so snapshots at different steps on
@@ -59,11 +71,13 @@ class SnapshotCadence:
 
     every: int
     max_overhead: float
-    interval: int = 1
+    interval: int = _FIRST_INTERVAL
     last_step: int | None = None
-    step_seconds: float | None = None  # smoothed, without the snapshots
-    snapshot_seconds: float | None = None  # smoothed, the first (allocating) one left out
+    step_seconds: float | None = None  # smoothed, of steps away from snapshots
+    snapshot_seconds: float | None = None  # smoothed, save and aftermath; not the first
     _snapshots: int = 0
+    _pending: float | None = None  # the last snapshot's cost so far; None: not measured
+    _save_seconds: float = 0.0  # the last snapshot's save
 
     def __post_init__(self) -> None:
         if self.every > 0:
@@ -72,15 +86,36 @@ class SnapshotCadence:
     def due(self, step: int) -> bool:
         return self.last_step is None or (step % self.interval == 0 and step > self.last_step)
 
-    def observe_step(self, seconds: float) -> None:
-        self.step_seconds = _smooth(self.step_seconds, seconds)
+    def observe_step(self, step: int, seconds: float) -> None:
+        """Step ``step`` took ``seconds``, its snapshot's save not included."""
+        since = step - self.last_step if self.last_step is not None else AFTERMATH + 1
+        if since > AFTERMATH:
+            self.step_seconds = _smooth(self.step_seconds, seconds)
+            return
+        if self._pending is not None and self.step_seconds is not None:
+            self._pending += seconds - self.step_seconds
+        else:
+            self._pending = None  # no step time to compare with yet
+        if since == AFTERMATH:
+            self._settle()
 
     def observe_snapshot(self, step: int, seconds: float) -> None:
+        """Step ``step`` was snapshotted in ``seconds`` (the save alone)."""
+        self._settle()  # a snapshot inside the last one's aftermath ends it early
         self.last_step = step
         self._snapshots += 1
-        if self._snapshots > 1:
-            self.snapshot_seconds = _smooth(self.snapshot_seconds, seconds)
-        if self.every == 0 and self.snapshot_seconds is not None and self.step_seconds:
+        # The first one allocates the slot: not a measure of the steady state.
+        self._pending = seconds if self._snapshots > 1 else None
+        self._save_seconds = seconds
+
+    def _settle(self) -> None:
+        if self._pending is None:
+            return
+        # Noise can make the aftermath look faster than the steps away from
+        # snapshots; the save itself is the floor.
+        cost, self._pending = max(self._pending, self._save_seconds), None
+        self.snapshot_seconds = _smooth(self.snapshot_seconds, cost)
+        if self.every == 0 and self.step_seconds:
             budget = self.max_overhead * self.step_seconds
             needed = max(1, math.ceil(self.snapshot_seconds / budget))
             self.interval = 1 << (needed - 1).bit_length()
@@ -120,20 +155,18 @@ class NodeSnapshots:
         """
         if not self.enabled:
             return
-        now = time.perf_counter()
+        now, interval = time.perf_counter(), self.cadence.interval
         if self._last_call is not None:
-            self.cadence.observe_step(now - self._last_call - self._last_cost)
+            self.cadence.observe_step(step, now - self._last_call - self._last_cost)
         self._last_call, self._last_cost = now, 0.0
-        if not self.cadence.due(step):
-            return
-        interval = self.cadence.interval
-        try:
-            self.store.save(step, state())
-        except SnapshotError as exc:
-            self._disable(step, exc)
-            return
-        self._last_cost = time.perf_counter() - now
-        self.cadence.observe_snapshot(step, self._last_cost)
+        if self.cadence.due(step):
+            try:
+                self.store.save(step, state())
+            except SnapshotError as exc:
+                self._disable(step, exc)
+                return
+            self._last_cost = time.perf_counter() - now
+            self.cadence.observe_snapshot(step, self._last_cost)
         if self.cadence.interval != interval:
             log.debug(
                 "snapshot_interval", step=step, interval=self.cadence.interval,

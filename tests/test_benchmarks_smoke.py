@@ -115,7 +115,14 @@ def test_checkpoint_cost_smoke(tmp_path: Path) -> None:
     assert only_run(result, "large-none")["state_mb"] > only_run(result, "small-none")["state_mb"]
     for name in ("large-sync", "large-async", "small-snapshot"):
         assert summary[name]["throughput_loss"]["median"] is not None
-    assert {t["name"] for t in result["targets"]} >= {"async saves lose, fraction"}
+    # 2 of the 6 timed steps save synchronously, each save far longer than a
+    # step; the median step is one without a save, so the loss within the run
+    # is most of the window, whatever the box's speed that moment.
+    excess = {n: only_run(result, n)["excess_fraction"] for n in ("large-none", "large-sync")}
+    in_run = summary["large-sync"]["in_run_loss"]["median"]
+    assert in_run == pytest.approx(excess["large-sync"] - excess["large-none"])
+    assert in_run > 0.3, excess
+    assert {t["name"] for t in result["targets"]} >= {"async saves lose, fraction within runs"}
 
 
 def test_rendezvous_scale_smoke(tmp_path: Path) -> None:
