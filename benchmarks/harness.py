@@ -272,6 +272,31 @@ class Target:
         }
 
 
+def add_paired_ratios(
+    summary: dict[str, dict[str, Any]],
+    outcomes: dict[str, Outcome],
+    *,
+    metric: str,
+    reference: str = "ours",
+) -> None:
+    """``summary[name]["paired_ratio"]``: ``metric`` of each repetition of a
+    competitor divided by the reference's in the same repetition, summarized.
+
+    Repetition r of every competitor runs back to back (``run_interleaved``),
+    so a pair shares the machine's state of that minute: drift slower than a
+    pair cancels in its ratio, and the pairs' spread shows how far a single
+    comparison moves on this machine.
+    """
+    ref = (
+        {r["repeat"]: r.get(metric) for r in outcomes[reference].runs}
+        if reference in outcomes
+        else {}
+    )
+    for name, outcome in outcomes.items():
+        pairs = [ratio(r.get(metric), ref.get(r["repeat"])) for r in outcome.runs]
+        summary[name]["paired_ratio"] = summarize(pairs)
+
+
 def headline_ratios(
     summary: dict[str, dict[str, Any]], *, metric: str, reference: str = "ours"
 ) -> dict[str, float | None]:
@@ -296,7 +321,8 @@ def run_benchmark(
 ) -> dict[str, Any]:
     """Interleave, summarize, check targets and write ``{name}.json``.
 
-    ``ratios`` divide each contender's median ``headline`` by ``reference``'s.
+    ``ratios`` divide each contender's median ``headline`` by ``reference``'s;
+    each summary's ``paired_ratio`` does so repetition by repetition.
     """
     started = time.time()
     host = machine()
@@ -310,6 +336,7 @@ def run_benchmark(
         if tmp:
             tmp.cleanup()
     summary = summarize_outcomes(outcomes, metrics)
+    add_paired_ratios(summary, outcomes, metric=headline, reference=reference)
     payload = {
         "benchmark": name,
         "started": started,

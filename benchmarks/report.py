@@ -87,11 +87,16 @@ def event_table(result: dict[str, Any]) -> list[str]:
 
 
 def throughput_table(result: dict[str, Any]) -> list[str]:
-    rows = ["| competitor | samples/s | median ÷ ours' | runs | notes |", "|---|---|---|---|---|"]
+    rows = [
+        "| competitor | samples/s | median ÷ ours' | ÷ ours' in the same repetition "
+        "| runs | notes |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, entry in result["summary"].items():
         rows.append(
             f"| {name} | {spread(entry['samples_per_second'], 0)} "
-            f"| {fmt(result['ratios'].get(name), 3)} | {entry['samples_per_second']['n']} "
+            f"| {fmt(result['ratios'].get(name), 3)} | {spread(entry.get('paired_ratio'), 3)} "
+            f"| {entry['samples_per_second']['n']} "
             f"| {status(entry)} |"
         )
     return rows

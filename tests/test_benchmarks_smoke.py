@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import (
     checkpoint_cost,
+    harness,
     preemption,
     recovery,
     rendezvous_scale,
@@ -100,6 +101,8 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     expected = ours["samples_per_second"] / plain["samples_per_second"]
     assert target["value"] == pytest.approx(expected)
     assert result["ratios"]["etcd-v2-tuned"] == pytest.approx(1 / expected)
+    paired = result["summary"]["etcd-v2-tuned"]["paired_ratio"]
+    assert (paired["median"], paired["n"]) == (pytest.approx(1 / expected), 1)
 
 
 def test_checkpoint_cost_smoke(tmp_path: Path) -> None:
@@ -159,3 +162,26 @@ def test_report_renders_tables_and_plots(
     readme.write_text(f"intro\n{report.START}\nold\n{report.END}\noutro\n")
     report.update_readme("| new | table |", readme)
     assert readme.read_text() == f"intro\n{report.START}\n| new | table |\n{report.END}\noutro\n"
+
+
+def test_paired_ratios_divide_within_each_repetition() -> None:
+    """Drift between repetitions cancels in the pairs, not in the medians."""
+    speeds = {"ours": [100.0, 50.0, 80.0], "plain": [110.0, 55.0, 60.0]}
+    outcomes = {
+        name: harness.Outcome(name, runs=[{"repeat": r, "x": v} for r, v in enumerate(values)])
+        for name, values in speeds.items()
+    }
+    outcomes["plain"].runs.append({"repeat": 3, "error": "hung"})  # no pair: not counted
+    summary = harness.summarize_outcomes(outcomes, ["x"])
+    harness.add_paired_ratios(summary, outcomes, metric="x")
+    paired = summary["plain"]["paired_ratio"]
+    assert (paired["median"], paired["min"], paired["max"], paired["n"]) == (
+        pytest.approx(1.1),
+        pytest.approx(0.75),
+        pytest.approx(1.1),
+        3,
+    )
+    assert summary["plain"]["x"]["median"] / summary["ours"]["x"]["median"] == pytest.approx(0.75)
+    assert summary["ours"]["paired_ratio"]["median"] == 1.0
+    target = throughput_bench.targets({"ours": summary["ours"], "c10d-tuned": summary["plain"]})
+    assert target[0].value == pytest.approx(1 / 1.1)
