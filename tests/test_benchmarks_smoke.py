@@ -185,3 +185,9 @@ def test_paired_ratios_divide_within_each_repetition() -> None:
     assert summary["ours"]["paired_ratio"]["median"] == 1.0
     target = throughput_bench.targets({"ours": summary["ours"], "c10d-tuned": summary["plain"]})
     assert target[0].value == pytest.approx(1 / 1.1)
+    # Ours without snapshots 1.1 times as fast, pair by pair: the default cadence costs 1/11.
+    variant = {"ours": summary["ours"], "ours-no-snapshot": summary["plain"]}
+    (snapshots,) = [
+        t for t in throughput_bench.targets(variant) if t.name == "default snapshots lose"
+    ]
+    assert snapshots.value == pytest.approx(1 - 1 / 1.1)
