@@ -205,6 +205,8 @@ def add_losses(summary: dict[str, dict[str, Any]]) -> None:
         excess = harness.median_of(summary, name, "excess_fraction")
         base_excess = harness.median_of(summary, base_name, "excess_fraction")
         in_run = None if excess is None or base_excess is None else excess - base_excess
+        if name.endswith("-snapshot"):
+            in_run = None  # it saves at every step: its median step holds a save
         entry["in_run_loss"] = {"median": in_run, "min": None, "max": None, "n": 1}
 
 

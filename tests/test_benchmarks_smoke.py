@@ -125,6 +125,7 @@ def test_checkpoint_cost_smoke(tmp_path: Path) -> None:
     in_run = summary["large-sync"]["in_run_loss"]["median"]
     assert in_run == pytest.approx(excess["large-sync"] - excess["large-none"])
     assert in_run > 0.3, excess
+    assert summary["small-snapshot"]["in_run_loss"]["median"] is None  # no step without a save
     assert {t["name"] for t in result["targets"]} >= {"async saves lose, fraction within runs"}
 
 
