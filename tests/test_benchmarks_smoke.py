@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import (
     checkpoint_cost,
+    diagnose,
     harness,
     preemption,
     recovery,
@@ -127,6 +128,19 @@ def test_checkpoint_cost_smoke(tmp_path: Path) -> None:
     assert in_run > 0.3, excess
     assert summary["small-snapshot"]["in_run_loss"]["median"] is None  # no step without a save
     assert {t["name"] for t in result["targets"]} >= {"async saves lose, fraction within runs"}
+
+
+def test_diagnose_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run(diagnose, tmp_path, "--competitors=ours")
+    single = only_run(result, "ours")
+    cpu = single["cpu_us_per_step"]
+    # Both nodes' workers and agents are found, and the workers did the training.
+    assert {"worker node0", "worker node1", "agent node0", "agent node1"} <= set(cpu), cpu
+    assert all(cpu[f"worker node{i}"] > cpu[f"agent node{i}"] for i in (0, 1)), cpu
+    profile = single["step_us_by_position"]
+    assert set(profile) == {"rank 0", "rank 1"}
+    assert all(len(means) == 4 and min(means) > 0 for means in profile.values()), profile
+    assert "| ours | worker node0 |" in capsys.readouterr().out
 
 
 def test_rendezvous_scale_smoke(tmp_path: Path) -> None:
