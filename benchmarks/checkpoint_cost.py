@@ -194,20 +194,23 @@ def variants(large: ModelSize) -> list[Variant]:
 
 def add_losses(summary: dict[str, dict[str, Any]]) -> None:
     """Against ``none`` of the same model: ``throughput_loss`` = 1 - the ratio
-    of median samples/s; ``in_run_loss`` = the difference of median excess
-    fractions (module doc)."""
+    of median samples/s; ``in_run_loss`` = each run's excess fraction minus
+    the median one of ``none`` (module doc), summarized."""
     for name, entry in summary.items():
         base_name = name.split("-")[0] + "-none"
         base = harness.median_of(summary, base_name, "samples_per_second")
         own = harness.median_of(summary, name, "samples_per_second")
         loss = None if own is None or not base else 1.0 - own / base
         entry["throughput_loss"] = {"median": loss, "min": None, "max": None, "n": 1}
-        excess = harness.median_of(summary, name, "excess_fraction")
+        excess = entry.get("excess_fraction") or {}
         base_excess = harness.median_of(summary, base_name, "excess_fraction")
-        in_run = None if excess is None or base_excess is None else excess - base_excess
-        if name.endswith("-snapshot"):
-            in_run = None  # it saves at every step: its median step holds a save
-        entry["in_run_loss"] = {"median": in_run, "min": None, "max": None, "n": 1}
+        in_run = {"median": None, "min": None, "max": None, "n": 0}
+        # The every-step snapshot has no step without a save to compare with.
+        measured = excess.get("median") is not None and base_excess is not None
+        if measured and not name.endswith("-snapshot"):
+            in_run = {k: excess[k] - base_excess for k in ("median", "min", "max")}
+            in_run["n"] = excess["n"]
+        entry["in_run_loss"] = in_run
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:

@@ -114,7 +114,7 @@ def checkpoint_table(result: dict[str, Any]) -> list[str]:
             f"| {name} | {fmt(entry['state_mb']['median'], 0)} "
             f"| {spread(entry['samples_per_second'], 0)} "
             f"| {fmt(entry.get('throughput_loss', {}).get('median'), 3)} "
-            f"| {fmt(entry.get('in_run_loss', {}).get('median'), 3)} "
+            f"| {spread(entry.get('in_run_loss'), 3)} "
             f"| {spread(entry['blocked_seconds_per_save'], 3)} "
             f"| {spread(entry.get('first_save_blocked_seconds'), 3)} "
             f"| {spread(entry.get('later_saves_blocked_seconds'), 3)} "
