@@ -38,7 +38,7 @@ def process_roles(cluster: BenchCluster) -> dict[int, str]:
     roles = {me.pid: "driver"}
     for child in me.children(recursive=True):
         try:
-            roles[child.pid] = child.name()
+            roles[child.pid] = child.name().split(":")[0]  # "warm:PID": one row for all
         except psutil.Error:
             continue
     for node in cluster.local.nodes.values():
