@@ -63,8 +63,9 @@ def measure(
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
-    """The headline is the median over repetitions of ours / plain of the same
-    repetition (``harness.add_paired_ratios``): each pair ran back to back."""
+    """The headline is 1 / the median over repetitions of plain / ours of the
+    same repetition (``harness.add_paired_ratios``; each pair ran back to
+    back), which is the median of ours / plain for an odd count."""
     plain = [
         harness.median_of(summary, name, "paired_ratio")
         for name in summary
