@@ -81,6 +81,7 @@ class BenchCluster:
         self, competitor: Competitor, workload: Workload, workdir: Path, **spec: Any
     ) -> None:
         self._store: TCPStore | None = None
+        self.workload = workload
         endpoint = None
         if competitor.rdzv_backend == "c10d":
             port = free_port()

@@ -26,8 +26,7 @@ import psutil
 
 from benchmarks import harness
 from benchmarks.cluster import BenchCluster
-from benchmarks.throughput import SAME_MATH, VARIANTS, select
-from benchmarks.workloads import Workload
+from benchmarks.throughput import select, two_nodes
 
 _WORKER_FILE = re.compile(r"^worker-(?P<node>.+)-(?P<pid>\d+)\.jsonl$")
 
@@ -63,11 +62,7 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
 
 
 def measure(comp: Any, workdir: Path, *, warmup: int, window: int, cycle: int) -> dict[str, Any]:
-    workload = Workload(
-        steps=warmup + window + 100, ours_overrides=(*SAME_MATH, *VARIANTS.get(comp.name, ()))
-    )
-    spec = {"nodes": 2, "min_nodes": 2, "max_nodes": 2}
-    with BenchCluster(comp, workload, workdir, **spec) as cluster:
+    with two_nodes(comp, workdir, steps=warmup + window + 100) as cluster:
         cluster.wait_step(warmup, world_size=2, timeout=120)
         roles = process_roles(cluster)
         before, started = cpu_seconds(list(roles)), time.monotonic()

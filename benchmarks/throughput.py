@@ -40,13 +40,16 @@ TARGET_SNAPSHOT_LOSS = 0.02
 TARGET_RATIO = 0.99
 
 
+def two_nodes(comp: Competitor, workdir: Path, *, steps: int) -> BenchCluster:
+    """The fault-free 2-node run of ``comp`` (a variant's settings applied), not started."""
+    workload = Workload(steps=steps, ours_overrides=(*SAME_MATH, *VARIANTS.get(comp.name, ())))
+    return BenchCluster(comp, workload, workdir, nodes=2, min_nodes=2, max_nodes=2)
+
+
 def measure(
     comp: Competitor, workdir: Path, *, warmup_steps: int, window_steps: int, timeout: float
 ) -> dict[str, Any]:
-    overrides = (*SAME_MATH, *VARIANTS.get(comp.name, ()))
-    workload = Workload(steps=warmup_steps + window_steps, ours_overrides=overrides)
-    spec = {"nodes": 2, "min_nodes": 2, "max_nodes": 2}
-    with BenchCluster(comp, workload, workdir, **spec) as cluster:
+    with two_nodes(comp, workdir, steps=warmup_steps + window_steps) as cluster:
         last = warmup_steps + window_steps
         cluster.wait_step(last, world_size=2, timeout=timeout)
         steps = cluster.steps(world_size=2)
@@ -56,7 +59,7 @@ def measure(
     done = {s: max(r.time for r in steps if r.step == s) for s in (warmup_steps, last)}
     seconds = done[last] - done[warmup_steps]
     return {
-        "samples_per_second": window_steps * workload.global_batch_size / seconds,
+        "samples_per_second": window_steps * cluster.workload.global_batch_size / seconds,
         "steps_per_second": window_steps / seconds,
         "window_seconds": seconds,
     }
