@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -15,6 +17,7 @@ import pytest
 
 from elastic_train import proctree
 from elastic_train.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
+from elastic_train.cluster import port_is_free
 
 
 def _no_run_started(run_dir: Path) -> bool:
@@ -48,14 +51,29 @@ def test_bad_arguments_fail_before_anything_starts(
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
+@contextlib.contextmanager
+def _taken_port_after_a_free_one() -> Iterator[int]:
+    """A listening port whose predecessor is free now.
+
+    Any loopback connection (etcd clients of earlier tests) may hold the port
+    below an ephemeral one, so the predecessor is checked rather than assumed.
+    """
+    for _ in range(100):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            if port_is_free(port - 1):
+                yield port
+                return
+    raise AssertionError("no listening port with a free port below it in 100 tries")
+
+
 def test_a_metrics_port_in_use_is_named_before_anything_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        # Node 1 of a base port one below would get the taken port.
+    with _taken_port_after_a_free_one() as port:
+        # Node 1 of a base port one below gets the taken port.
         code = main(
             ["local", "--quiet", "--run-dir", str(tmp_path), "--metrics-port", str(port - 1)]
         )
