@@ -6,21 +6,21 @@ an etcd-backed c10d store, fast-recovery defaults, and the torchrun entry points
 
 The handler stores its state as a *pickle*, so whoever can write the state key
 can run code on every agent that reads it. With a job secret (rdzv-conf
-``secret_file`` or ``ELASTIC_TRAIN_RDZV_SECRET``) each state is signed with
-HMAC-SHA256 and verified before the bytes reach the unpickler.
+``secret_file`` or ``ELASTIC_TRAIN_RDZV_SECRET``) each value is signed with
+HMAC-SHA256 and verified before the bytes reach the unpickler
+(:mod:`rendezvous_codec`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
 from torch.distributed import Store
+from torch.distributed.elastic.events import NodeState
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousError,
@@ -45,8 +45,8 @@ from elastic_train.etcd_client import EtcdClient, KeyValue
 from elastic_train.etcd_store import EtcdV3Store
 from elastic_train.etcd_sync import LeaseKeeper, WatchedKey, close_with
 from elastic_train.log import configure_logging_if_unconfigured, get_logger
+from elastic_train.rendezvous_codec import ValueCodec
 from elastic_train.rendezvous_config import (
-    SECRET_ENV,
     HandlerSettings,
     RendezvousConfig,
     parse_config,
@@ -55,6 +55,7 @@ from elastic_train.rendezvous_ops import (
     FastOpExecutor,
     WatchedStateHolder,
     keep_alive_while_awaited,
+    record_event,
     round_ended,
 )
 
@@ -77,33 +78,42 @@ T = TypeVar("T")
 NO_TAKEOVER_ENV = "ELASTIC_TRAIN_NO_ETCD_TAKEOVER"
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
-_MAGIC = b"ETv3"
-_SIGNED, _DIGEST = b"S", b"D"
-_HEADER_LEN = len(_MAGIC) + 1 + hashlib.sha256().digest_size
-
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
     """Holds torch's rendezvous state in one etcd key; the fencing token is its mod_revision.
+
+    Heartbeats live beside it, one key per node (:meth:`beat`, :meth:`heartbeats`):
+    written into the one state key, K agents' heartbeats take most of the
+    compare-and-swaps a round needs, and at K = 64 the joins starved.
 
     Args:
         client: the etcd client.
         name: the backend name torchrun was asked for (``etcd-v3`` or ``etcd``).
         key: the etcd key of the state.
-        ttl: seconds the key outlives its last write (a lease, renewed on write).
-        secret: the job secret that signs and verifies each state; ``None``: unsigned.
+        heartbeats: the prefix of the nodes' heartbeat keys.
+        ttl: seconds the keys outlive the last agent (a lease, renewed while one runs).
+        secret: the job secret that signs and verifies each value; ``None``: unsigned.
     """
 
     def __init__(
-        self, client: EtcdClient, *, name: str, key: str, ttl: int = 7200, secret: bytes | None
+        self,
+        client: EtcdClient,
+        *,
+        name: str,
+        key: str,
+        heartbeats: str,
+        ttl: int = 7200,
+        secret: bytes | None,
     ) -> None:
         self._client = client
         self._name = name
         self._key = key.encode()
+        self._beats_prefix = heartbeats.encode()
         self._lease = LeaseKeeper(client, ttl)
         # Agents write the state only during a rendezvous, so a job that runs
         # for longer than ttl without one must still keep its state key.
         self._lease.renew_in_background()
-        self._secret = secret
+        self._codec = ValueCodec(secret)
         self._seen_revision = 0  # of the state last handed to the handler
         # torch's handler polls get_state about once a second per agent; a watched
         # copy answers those polls without a request while nothing changes.
@@ -125,7 +135,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             self._seen_revision = 0
             return None
         self._seen_revision = current.mod_revision
-        return self._decode(current.value), current.mod_revision
+        return self._codec.decode(self._key, current.value), current.mod_revision
 
     def wait_for_change(self, timeout: float) -> bool:
         """Block until the state is newer than the one last returned, or ``timeout``."""
@@ -138,7 +148,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if revision is None:  # invalid: write nothing, report the current state
             current = self.get_state()
             return None if current is None else (*current, False)
-        encoded = self._encode(state)
+        encoded = self._codec.encode(self._key, state)
         written, current, new_revision = self._etcd(
             lambda: self._lease.run(
                 lambda lease: self._client.put_if_revision(
@@ -155,7 +165,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return None
         self._state.offer(current)
         self._seen_revision = current.mod_revision
-        return self._decode(current.value), current.mod_revision, False
+        return self._codec.decode(self._key, current.value), current.mod_revision, False
 
     def _etcd(self, request: Callable[[], T]) -> T:
         try:
@@ -165,37 +175,25 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         except EtcdError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
 
-    def _encode(self, state: bytes) -> bytes:
-        if self._secret is None:
-            return _MAGIC + _DIGEST + hashlib.sha256(state).digest() + state
-        return _MAGIC + _SIGNED + self._mac(state) + state
+    def beat(self, node: str, when: datetime) -> None:
+        """Record ``node``'s heartbeat at ``when``: one put of its own key, no state write."""
+        key = self._beats_prefix + node.encode()
+        value = self._codec.encode(key, repr(when.timestamp()).encode())
+        self._etcd(lambda: self._lease.run(lambda lease: self._client.put(key, value, lease=lease)))
 
-    def _mac(self, state: bytes) -> bytes:
-        assert self._secret is not None
-        # Binding the key stops a signed state from being replayed into another run.
-        return hmac.new(self._secret, self._key + b"\n" + state, hashlib.sha256).digest()
-
-    def _decode(self, value: bytes) -> bytes:
-        kind, tag, state = value[4:5], value[5:_HEADER_LEN], value[_HEADER_LEN:]
-        if (
-            not value.startswith(_MAGIC)
-            or len(value) < _HEADER_LEN
-            or kind not in (_SIGNED, _DIGEST)
-        ):
-            self._reject("corrupt", "not written by elastic_train's etcd v3 backend")
-        if kind == _DIGEST and self._secret is not None:
-            self._reject("unsigned", "a job secret is set, so unsigned states are refused")
-        if kind == _SIGNED and self._secret is None:
-            self._reject("signed", f"it is signed but no job secret is set ({SECRET_ENV})")
-        expected = self._mac(state) if kind == _SIGNED else hashlib.sha256(state).digest()
-        if not hmac.compare_digest(tag, expected):
-            self._reject("bad_signature" if kind == _SIGNED else "corrupt", "checksum mismatch")
-        return state
-
-    def _reject(self, reason: str, detail: str) -> None:
-        key = self._key.decode(errors="replace")
-        log.error("rendezvous_state_rejected", key=key, reason=reason, detail=detail)
-        raise RendezvousStateError(f"refused the rendezvous state at etcd key {key!r}: {detail}")
+    def heartbeats(self) -> dict[str, datetime]:
+        """Each node's last heartbeat; refused values (forged, corrupt) are left out."""
+        found, _ = self._etcd(lambda: self._client.get_prefix(self._beats_prefix))
+        beats: dict[str, datetime] = {}
+        for kv in found:
+            try:
+                seconds = float(self._codec.decode(kv.key, kv.value))
+            except (RendezvousStateError, ValueError, OverflowError):
+                continue  # the codec logged why; the node just looks older
+            beats[kv.key[len(self._beats_prefix) :].decode(errors="replace")] = (
+                datetime.fromtimestamp(seconds, timezone.utc)
+            )
+        return beats
 
 
 def _parse_token(token: Token) -> int | None:
@@ -211,7 +209,8 @@ def _parse_token(token: Token) -> int | None:
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
     """``(backend, store)`` for ``params``, like torch's ``etcd_rendezvous_backend.create_backend``.
 
-    Keys: ``{key_prefix}/{run_id}/state`` and the store under ``{key_prefix}/{run_id}/store/``.
+    Keys: ``{key_prefix}/{run_id}/state``, heartbeats under ``{key_prefix}/{run_id}/heartbeats/``
+    and the store under ``{key_prefix}/{run_id}/store/``.
     See :func:`create_handler` for every rdzv-conf key.
     """
     return _create_backend(params, parse_config(params))
@@ -225,7 +224,12 @@ def _create_backend(
     client = EtcdClient(config.client)
     run_prefix = f"{config.key_prefix}/{params.run_id}"
     backend = EtcdV3RendezvousBackend(
-        client, name=params.backend, key=f"{run_prefix}/state", ttl=config.ttl, secret=config.secret
+        client,
+        name=params.backend,
+        key=f"{run_prefix}/state",
+        heartbeats=f"{run_prefix}/heartbeats/",
+        ttl=config.ttl,
+        secret=config.secret,
     )
     store = EtcdV3Store(client, f"{run_prefix}/store", lease_ttl=config.ttl)
     return backend, store
@@ -252,12 +256,24 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         *,
         backend: EtcdV3RendezvousBackend,
     ) -> None:
-        state_holder = WatchedStateHolder(backend, settings)
+        state_holder = WatchedStateHolder(backend, settings, heartbeats=backend)
         super().__init__(node, settings, backend.name, store, state_holder)
         self._op_executor = FastOpExecutor(node, state_holder, settings, changes=backend)
         self._etcd_backend = backend
         self._joined_round: int | None = None
         self._reported_end: int | None = None
+
+    def _record(
+        self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None
+    ) -> None:
+        record_event(
+            self,
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+            node=self._this_node,
+            rank=rank,
+        )
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._joined_round = None

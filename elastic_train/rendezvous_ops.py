@@ -25,25 +25,38 @@ The rules here:
    ``keep_alive_interval x keep_alive_max_attempt`` as in torch. That is what
    lets a job whose nodes all died (no survivor to apply rule 1) restart.
    Waiting nodes and nodes joining an incomplete round heartbeat as in torch.
+3. **A heartbeat is a put of the node's own key, not a write of the state**
+   (:meth:`WatchedStateHolder.beat`). torch rewrites the one shared state for
+   every heartbeat, by compare-and-swap, so K joining agents spend K writes a
+   second on heartbeats alone and every one of them makes the others' joins
+   retry; at K = 64 the joins starved. A node's heartbeat is now the later of
+   the time in the state (set when it joins or is listed) and the time in its
+   key. The keys are read only when some node would be pruned on the state's
+   time, so nobody reads them while training runs.
 
-And one mechanical change: instead of sleeping 1 s whenever it has to wait, the
-join loop wakes on the next change of the state key (the backend watches it) or
-at the moment the last call ends.
+And two mechanical changes: instead of sleeping 1 s whenever it has to wait,
+the join loop wakes on the next change of the state key (the backend watches
+it) or at the moment the last call ends; and torch's rendezvous events are
+named without ``inspect.stack()`` (:func:`record_event`).
 """
 
 from __future__ import annotations
 
+import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
+from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
     RendezvousSettings,
     _Action,
     _BackendRendezvousStateHolder,
@@ -58,9 +71,12 @@ from elastic_train.log import get_logger
 __all__ = [
     "ChangeWaiter",
     "FastOpExecutor",
+    "HeartbeatKeys",
     "WatchedStateHolder",
     "awaited",
     "keep_alive_while_awaited",
+    "node_name",
+    "record_event",
     "round_ended",
 ]
 
@@ -88,6 +104,49 @@ class ChangeWaiter(Protocol):
         """Block until the state changed since it was last read, or ``timeout`` passed."""
 
 
+class HeartbeatKeys(Protocol):
+    """One key per node holding its last heartbeat (rule 3)."""
+
+    def beat(self, node: str, when: datetime) -> None:
+        """Record ``node``'s heartbeat at ``when``."""
+
+    def heartbeats(self) -> dict[str, datetime]:
+        """Every node's last recorded heartbeat, by :func:`node_name`."""
+
+
+def node_name(node: _NodeDesc) -> str:
+    return f"{node.addr}_{node.pid}_{node.local_id}"
+
+
+def record_event(
+    owner: object,
+    *,
+    run_id: str,
+    message: str,
+    node_state: NodeState,
+    node: _NodeDesc | None = None,
+    rank: int | None = None,
+) -> None:
+    """torch's rendezvous event, named after the method that called ``owner._record``.
+
+    torch names it with ``inspect.stack()``, twice, even when nothing records
+    events (the default): that reads the source of every frame, milliseconds per
+    action, and the join spends them between reading the state and writing it
+    back, which widens the window in which other writers make it lose.
+    """
+    caller = sys._getframe(2).f_code.co_name
+    construct_and_record_rdzv_event(
+        name=f"{type(owner).__name__}.{caller}",
+        run_id=run_id,
+        message=message,
+        node_state=node_state,
+        hostname=node.addr if node else "",
+        pid=node.pid if node else None,
+        local_id=node.local_id if node else None,
+        rank=rank,
+    )
+
+
 def round_ended(state: _RendezvousState, node: _NodeDesc, joined_round: int | None) -> bool:
     """Whether the round ``node`` joined (``joined_round``) has ended under rule 1."""
     if joined_round is None:
@@ -113,19 +172,39 @@ def keep_alive_while_awaited(ctx: _RendezvousContext, deadline: float) -> _Actio
 
 class WatchedStateHolder(_BackendRendezvousStateHolder):
     """torch's state holder, reading on every sync (the backend serves a watched
-    copy, so a read costs etcd nothing) and applying rule 2 when it prunes."""
+    copy, so a read costs etcd nothing) and applying rules 2 and 3 when it prunes."""
 
-    def __init__(self, backend: object, settings: RendezvousSettings) -> None:
-        super().__init__(backend, settings, cache_duration=0)  # type: ignore[arg-type]
+    def __init__(
+        self, backend: RendezvousBackend, settings: RendezvousSettings, *, heartbeats: HeartbeatKeys
+    ) -> None:
+        super().__init__(backend, settings, cache_duration=0)
+        self._heartbeats = heartbeats
+        self._keyed_beats: dict[str, datetime] = {}  # as last read, plus this node's own
+        self._read_at = -math.inf
+
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        record_event(self, run_id=self._settings.run_id, message=message, node_state=node_state)
+
+    def beat(self, node: _NodeDesc) -> None:
+        """Rule 3: ``node``'s heartbeat goes to its own key; the state is not written."""
+        now = datetime.now(timezone.utc)
+        self._heartbeats.beat(node_name(node), now)
+        self._keyed_beats[node_name(node)] = now
+        self._state.last_heartbeats[node] = now
 
     def _sanitize(self) -> None:
         state = self._state
-        if not state.complete or awaited(state):
-            super()._sanitize()
-            return
+        idle = state.complete and not awaited(state)
         expire = datetime.now(timezone.utc) - (
             self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
         )
+        # Rule 2: an idle round prunes only nodes outside it.
+        self._merge_keyed_beats(
+            [n for n in state.last_heartbeats if not (idle and n in state.participants)], expire
+        )
+        if not idle:
+            super()._sanitize()
+            return
         self._dead_nodes = [
             node
             for node, beat in state.last_heartbeats.items()
@@ -136,20 +215,56 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
             state.wait_list.discard(node)
             state.redundancy_list.discard(node)
 
+    def _merge_keyed_beats(self, prunable: list[_NodeDesc], expire: datetime) -> None:
+        """Rule 3: each heartbeat becomes the later of the state's and the node's key's.
+
+        The keys are read only when a node would be pruned on what is known,
+        and at most twice per ``keep_alive_interval``. A live node's key is at
+        most one interval old when read, and a read is at most half an interval
+        old when it decides, well inside the expiry of ``keep_alive_max_attempt``
+        (3) intervals.
+        """
+        beats = self._state.last_heartbeats
+        self._overlay(beats)
+        if not any(beats[node] < expire for node in prunable):
+            return
+        min_age = self._settings.keep_alive_interval.total_seconds() / 2
+        if time.monotonic() - self._read_at < min_age:
+            return
+        self._keyed_beats = self._heartbeats.heartbeats()
+        self._read_at = time.monotonic()
+        self._overlay(beats)
+
+    def _overlay(self, beats: dict[_NodeDesc, datetime]) -> None:
+        for node, beat in beats.items():
+            keyed = self._keyed_beats.get(node_name(node))
+            if keyed is not None and keyed > beat:
+                beats[node] = keyed
+
 
 class FastOpExecutor(_DistributedRendezvousOpExecutor):
-    """torch's executor with rule 1 and a join loop that waits for changes, not 1 s."""
+    """torch's executor with rules 1 and 3 and a join loop that waits for changes, not 1 s."""
 
     def __init__(
         self,
         node: _NodeDesc,
-        state_holder: _BackendRendezvousStateHolder,
+        state_holder: WatchedStateHolder,
         settings: RendezvousSettings,
         *,
         changes: ChangeWaiter,
     ) -> None:
         super().__init__(node, state_holder, settings)
+        self._holder = state_holder
         self._changes = changes
+
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        record_event(
+            self,
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+            node=self._node,
+        )
 
     def run(
         self,
@@ -176,6 +291,9 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
                 raise RendezvousClosedError
             if action == _Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError
+            if action == _Action.KEEP_ALIVE and self._node in self._state.last_heartbeats:
+                self._holder.beat(self._node)  # rule 3
+                continue
             if action == _Action.SYNC:
                 if self._changes.wait_for_change(self._wait_seconds()):
                     # Every waiting node wakes on each change; spreading the
@@ -239,7 +357,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         log.info(
             "rendezvous_round_ended",
             round=state.round,
-            left=f"{self._node.addr}_{self._node.pid}_{self._node.local_id}",
+            left=node_name(self._node),
             others=len(state.participants) - 1,
         )
         state.participants.clear()

@@ -7,6 +7,8 @@ state every second.
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
 import urllib.request
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed.elastic.events as torch_events
+import torch.distributed.elastic.events.handlers as torch_event_handlers
 from rendezvous_threads import join_all
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
@@ -129,6 +133,59 @@ def test_a_spare_node_does_not_end_a_live_round(etcd_endpoint: str) -> None:
     waiting.join(15)
     assert not waiting.is_alive()
     assert [type(e) for e in outcome] == [RendezvousGracefulExitError]
+
+
+def test_a_joining_node_heartbeats_without_rewriting_the_state(etcd_endpoint: str) -> None:
+    # Rule 3. torch would rewrite the shared state for each heartbeat; with 64
+    # joining agents those writes starved the joins.
+    first, second = _handlers(etcd_endpoint, 2, keep_alive_interval=1)
+    client = EtcdClient(EtcdClientConfig(endpoints=(etcd_endpoint,)))
+    prefix = f"/elastic_train/{first.get_run_id()}"
+    first_info: list[Any] = []
+    joining = threading.Thread(target=lambda: first_info.append(first.next_rendezvous()))
+    joining.start()  # alone below min_nodes=2: it waits, heartbeating
+    _poll(lambda: client.get(f"{prefix}/state".encode())[0] is not None, within=10, what="join")
+    revision = client.get(f"{prefix}/state".encode())[0].mod_revision  # type: ignore[union-attr]
+    beats: set[int] = set()
+    # Longer than the 3 s after which a node is pruned when its heartbeats stop.
+    end = time.monotonic() + 3.5
+    while time.monotonic() < end:
+        beats |= {kv.mod_revision for kv in client.get_prefix(f"{prefix}/heartbeats/".encode())[0]}
+        time.sleep(0.2)
+    assert client.get(f"{prefix}/state".encode())[0].mod_revision == revision  # type: ignore[union-attr]
+    assert len(beats) >= 3, f"heartbeat key revisions seen in 3.5 s: {sorted(beats)}"
+    (second_rank,) = join_all([second], within=15)  # first was not pruned: a round of 2
+    joining.join(15)
+    assert {(first_info[0].rank, first_info[0].world_size), second_rank} == {(0, 2), (1, 2)}
+    client.close()
+
+
+def test_rendezvous_events_keep_the_names_torch_gives_them(
+    etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ours name them from the calling frame; torch's inspect.stack() took
+    # milliseconds per action even with no event handler configured.
+    messages: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    monkeypatch.setitem(torch_event_handlers._log_handlers, "dynamic_rendezvous", Capture())
+    try:
+        (only,) = _handlers(etcd_endpoint, 1, min_nodes=1)
+        join_all([only], within=30)
+    finally:
+        torch_events._events_loggers.pop("dynamic_rendezvous", None)
+        logging.getLogger("torchelastic-events-dynamic_rendezvous").handlers.clear()
+    events = [json.loads(m) for m in messages]
+    names = {e["name"].split(":", 1)[1] for e in events}
+    assert {
+        "EtcdV3RendezvousHandler.next_rendezvous",
+        "FastOpExecutor._add_to_participants",
+        "FastOpExecutor._mark_rendezvous_complete",
+    } <= names, names
+    assert {e["pid"] for e in events} == {only._this_node.pid}  # type: ignore[attr-defined]
 
 
 def _etcd_requests(server: EtcdServer) -> float:

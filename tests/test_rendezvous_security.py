@@ -8,6 +8,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -337,3 +338,18 @@ def test_forged_state_never_reaches_the_unpickler(
     with pytest.raises(Exception):  # noqa: B017 - whatever torch makes of the object
         unprotected.next_rendezvous()
     assert marker.exists()
+
+
+def test_heartbeats_are_signed_and_forged_ones_are_left_out(
+    etcd_endpoint: str, secret_file: str, run_id: str
+) -> None:
+    when = datetime(2026, 11, 23, 12, 0, 0, 250000, tzinfo=timezone.utc)
+    _backend(etcd_endpoint, run_id, secret_file=secret_file).beat("honest_1_0", when)
+    # Written without the secret, as an attacker keeping a dead node "alive" would.
+    _backend(etcd_endpoint, run_id).beat("forged_2_0", when)
+    reader = _backend(etcd_endpoint, run_id, secret_file=secret_file)
+    with structlog.testing.capture_logs() as logs:
+        assert reader.heartbeats() == {"honest_1_0": when}
+    (event,) = [e for e in logs if e["event"] == "rendezvous_state_rejected"]
+    assert event["key"] == f"/elastic_train/{run_id}/heartbeats/forged_2_0"
+    assert event["reason"] == "unsigned"
