@@ -13,6 +13,7 @@ HMAC-SHA256 and verified before the bytes reach the unpickler
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from elastic_train.rendezvous_ops import (
     FastOpExecutor,
     WatchedStateHolder,
     keep_alive_while_awaited,
+    node_name,
     record_event,
     round_ended,
 )
@@ -180,6 +182,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         key = self._beats_prefix + node.encode()
         value = self._codec.encode(key, repr(when.timestamp()).encode())
         self._etcd(lambda: self._lease.run(lambda lease: self._client.put(key, value, lease=lease)))
+
+    def forget(self, node: str) -> None:
+        """Delete ``node``'s heartbeat key (the node is leaving the job)."""
+        self._etcd(lambda: self._client.delete(self._beats_prefix + node.encode()))
 
     def heartbeats(self) -> dict[str, datetime]:
         """Each node's last heartbeat; refused values (forged, corrupt) are left out."""
@@ -308,6 +314,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         try:
             return super().shutdown()
         finally:
+            # Otherwise the key stays until the run's lease expires, read by every prune.
+            with contextlib.suppress(RendezvousConnectionError):
+                self._etcd_backend.forget(node_name(self._this_node))
             self._etcd_backend.close()
 
     def num_nodes_waiting(self) -> int:

@@ -157,6 +157,9 @@ def test_a_joining_node_heartbeats_without_rewriting_the_state(etcd_endpoint: st
     (second_rank,) = join_all([second], within=15)  # first was not pruned: a round of 2
     joining.join(15)
     assert {(first_info[0].rank, first_info[0].world_size), second_rank} == {(0, 2), (1, 2)}
+    first.shutdown()
+    second.shutdown()
+    assert client.get_prefix(f"{prefix}/heartbeats/".encode())[0] == [], "a key outlived its node"
     client.close()
 
 
