@@ -142,7 +142,9 @@ def test_a_joining_node_heartbeats_without_rewriting_the_state(etcd_endpoint: st
     client = EtcdClient(EtcdClientConfig(endpoints=(etcd_endpoint,)))
     prefix = f"/elastic_train/{first.get_run_id()}"
     first_info: list[Any] = []
-    joining = threading.Thread(target=lambda: first_info.append(first.next_rendezvous()))
+    joining = threading.Thread(
+        target=lambda: first_info.append(first.next_rendezvous()), daemon=True
+    )
     joining.start()  # alone below min_nodes=2: it waits, heartbeating
     _poll(lambda: client.get(f"{prefix}/state".encode())[0] is not None, within=10, what="join")
     revision = client.get(f"{prefix}/state".encode())[0].mod_revision  # type: ignore[union-attr]
