@@ -162,6 +162,7 @@ def measure(variant: Variant, workdir: Path, *, steps: int, interval: int) -> di
     saves = saver.save_seconds() if saver.manager is not None else blocked
     return {
         "samples_per_second": steps * size.batch / elapsed,
+        "window_seconds": elapsed,
         "saves": len(blocked),
         "blocked_seconds_per_save": statistics.median(blocked) if blocked else None,
         # A process's first async save also pays for fresh pages of host memory;
