@@ -251,7 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     large, kwargs = LARGE, {"steps": args.steps, "interval": args.interval}
     if args.smoke:
-        large, kwargs = SMALL_LARGE, {"steps": 6, "interval": 3}
+        # 3 saves among 12 timed steps: the median step stays one without a
+        # save unless 3 of the other 9 stall, so the smoke test's check holds
+        # on a busy machine too.
+        large, kwargs = SMALL_LARGE, {"steps": 12, "interval": 4}
     harness.run_benchmark(
         "checkpoint_cost_smoke" if args.smoke else "checkpoint_cost",
         args,
