@@ -179,13 +179,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
     def beat(self, node: str, when: datetime) -> None:
         """Record ``node``'s heartbeat at ``when``: one put of its own key, no state write."""
-        key = self._beats_prefix + node.encode()
+        key = self._beat_key(node)
         value = self._codec.encode(key, repr(when.timestamp()).encode())
         self._etcd(lambda: self._lease.run(lambda lease: self._client.put(key, value, lease=lease)))
 
     def forget(self, node: str) -> None:
         """Delete ``node``'s heartbeat key (the node is leaving the job)."""
-        self._etcd(lambda: self._client.delete(self._beats_prefix + node.encode()))
+        self._etcd(lambda: self._client.delete(self._beat_key(node)))
+
+    def _beat_key(self, node: str) -> bytes:
+        return self._beats_prefix + node.encode()
 
     def heartbeats(self) -> dict[str, datetime]:
         """Each node's last heartbeat; refused values (forged, corrupt) are left out."""
