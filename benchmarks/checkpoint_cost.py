@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 from benchmarks import harness
-from elastic_train.checkpoint import CheckpointManager
-from elastic_train.snapshot import SnapshotStore
+from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.state.snapshot import SnapshotStore
 
 METRICS = (
     "samples_per_second", "blocked_seconds_per_save", "first_save_blocked_seconds",

@@ -25,10 +25,10 @@ from torch.distributed import TCPStore
 from benchmarks.harness import Competitor
 from benchmarks.workloads import Workload, cluster_spec
 from elastic_train.audit import AuditTail, StepRecord, read_new_lines
-from elastic_train.chaos import ChaosEvent, ChaosKind, Recovery, recovery_after
-from elastic_train.cluster import LocalCluster
 from elastic_train.errors import ClusterError
-from elastic_train.etcd_server import free_port
+from elastic_train.etcd.server import free_port
+from elastic_train.local.chaos import ChaosEvent, ChaosKind, Recovery, recovery_after
+from elastic_train.local.cluster import LocalCluster
 
 #: seconds between two looks at the audit and the logs
 POLL_S = 0.02

@@ -1,5 +1,5 @@
 """One fault or join against a running cluster, audited the way the local
-runner audits it (``elastic_train.chaos.recovery_after``): event -> the last
+runner audits it (``elastic_train.local.chaos.recovery_after``): event -> the last
 rank's record of the first step of the first attempt that started after it;
 lost steps = the highest step recorded before the event (a rank records a
 step as its gradient all-reduce starts, so the step a failure broke counts)
@@ -28,7 +28,7 @@ from benchmarks import harness
 from benchmarks.cluster import BenchCluster
 from benchmarks.harness import Competitor
 from benchmarks.workloads import Workload
-from elastic_train.chaos import ChaosKind
+from elastic_train.local.chaos import ChaosKind
 
 #: (breakdown key, regex over the agents' output).
 STAGES = (

@@ -67,7 +67,7 @@ class Competitor:
         return None
 
 
-_OURS_MODULES = ("elastic_train.rendezvous", "elastic_train.main")
+_OURS_MODULES = ("elastic_train.rendezvous.backend", "elastic_train.main")
 _NO_SHARED_STORE = (("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),)
 
 COMPETITORS: dict[str, Competitor] = {

@@ -46,8 +46,8 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from benchmarks import harness
 from benchmarks.harness import Competitor
-from elastic_train.etcd_server import EtcdServer, free_port
-from elastic_train.rendezvous import create_handler
+from elastic_train.etcd.server import EtcdServer, free_port
+from elastic_train.rendezvous.backend import create_handler
 
 METRICS = (
     "round_seconds",
@@ -146,8 +146,6 @@ class Server:
 def make_handler(comp: Competitor, endpoint: str, *, run_id: str, k: int) -> RendezvousHandler:
     conf = dict(kv.split("=", 1) for kv in comp.rdzv_conf.split(",") if kv)
     conf["join_timeout"] = str(JOIN_TIMEOUT_S)
-    if comp.ours:
-        conf["metrics_port"] = "off"
     if comp.rdzv_backend == "c10d":
         conf["is_host"] = "false"
     params = RendezvousParameters(
@@ -158,7 +156,7 @@ def make_handler(comp: Competitor, endpoint: str, *, run_id: str, k: int) -> Ren
         max_nodes=k,
         **conf,
     )
-    if comp.ours:
+    if comp.ours:  # the bare handler: no node agent (endpoint, zygote) in this process
         return create_handler(params)
     return get_rendezvous_handler(params)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elastic_train.cluster import MAIN_SCRIPT, ClusterSpec
+from elastic_train.local.cluster import MAIN_SCRIPT, ClusterSpec
 
 if TYPE_CHECKING:
     from benchmarks.harness import Competitor

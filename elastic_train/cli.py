@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
 
-from elastic_train import node_agent
+from elastic_train.agent import metrics_endpoint
 from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.launch import add_spawn_subcommand
 from elastic_train.log import configure_logging, get_logger
@@ -69,22 +69,23 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.set_defaults(handler=_run_local)
 
 
-#: node_agent's default port; node i of a local cluster gets this + i
-DEFAULT_METRICS_PORT = node_agent.DEFAULT_PORT
+#: the metrics endpoint's default port; node i of a local cluster gets this + i
+DEFAULT_METRICS_PORT = metrics_endpoint.DEFAULT_PORT
 
 
 def _metrics_port(text: str) -> int | None:
     try:
-        return node_agent.parse_metrics_port(text)
+        return metrics_endpoint.parse_metrics_port(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(f"expected 0-65535 or 'off', got {text!r}") from exc
 
 
 def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
     # Imported here so that `elastic-train --help` stays instant.
-    from elastic_train.chaos import parse_schedule
-    from elastic_train.local import ClusterSpec, run_local
-    from elastic_train.progress import ProgressPrinter
+    from elastic_train.local.chaos import parse_schedule
+    from elastic_train.local.cluster import ClusterSpec
+    from elastic_train.local.progress import ProgressPrinter
+    from elastic_train.local.runner import run_local
 
     spec = ClusterSpec(
         nodes=args.nodes,

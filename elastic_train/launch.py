@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
-from elastic_train.etcd_server import free_port
+from elastic_train.etcd.server import free_port
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)

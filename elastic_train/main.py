@@ -10,15 +10,12 @@ configuration (retrying cannot help), 1 for anything else (torchrun restarts).
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 if __name__ == "__main__" and not __package__:
     # Run by path, Python puts elastic_train/ itself first on sys.path, where
-    # our datasets.py or config.py would shadow top-level modules of the same
+    # our log.py, metrics.py or config/ would shadow top-level modules of the same
     # name. Put the directory that contains the package there instead.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
@@ -26,7 +23,7 @@ if __name__ == "__main__":
     # Before torch is imported: where the node agent runs a zygote, a forked
     # child that has imported it all already becomes this worker, and this
     # process only relays signals and its exit (docs/warm-start.md).
-    from elastic_train.warm_start import hand_over
+    from elastic_train.agent.warm_start import hand_over
 
     hand_over(__file__)  # returns only to start cold
 
@@ -34,8 +31,9 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.config import USAGE, CliArgs, JobConfig, parse_cli, to_toml
-from elastic_train.distributed import WorkerEnv, init_distributed, read_worker_env, teardown
+from elastic_train.config.args import USAGE, CliArgs, parse_cli
+from elastic_train.config.job import JobConfig
+from elastic_train.config.load import to_toml
 from elastic_train.errors import (
     EXIT_CHECKPOINT_FAILURES,
     EXIT_CONFIG_ERROR,
@@ -44,8 +42,14 @@ from elastic_train.errors import (
     CheckpointWriteError,
     ConfigError,
 )
-from elastic_train.log import bind_context, configure_logging, get_logger
-from elastic_train.train import Trainer, build, close, train
+from elastic_train.log import bind_context, configure_logging, exit_now, get_logger
+from elastic_train.training.distributed import (
+    WorkerEnv,
+    init_distributed,
+    read_worker_env,
+    teardown,
+)
+from elastic_train.training.loop import Trainer, build, close, train
 
 log = get_logger("elastic_train.main")
 
@@ -110,21 +114,6 @@ def main(argv: Sequence[str] | None = None, *, release: bool = True) -> int:
         print(to_toml(args.config), end="")
         return 0
     return run(args.config, env, release=release)
-
-
-def exit_now(code: int) -> NoReturn:
-    """Exit with ``code`` without the interpreter's finalization.
-
-    A worker's exit is on the recovery path: the agent restarts the group only
-    once every worker is gone. Finalizing the interpreter after torch and gloo
-    (module teardown, C++ destructors) took about 0.8 s here; everything that
-    must outlive the process (checkpoints, audit records, snapshots, torchrun's
-    error file) is already closed by then, so only the log streams need a flush.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
 
 
 def _main_exit_code() -> int:

@@ -2,7 +2,7 @@
 
 Every process of a node (the torchrun agent and its workers) writes its values
 to memory-mapped files in one per-run directory that the agent creates
-(:mod:`elastic_train.node_agent`); the agent serves them all from one endpoint.
+(:mod:`elastic_train.agent.node_agent`); the agent serves them all from one endpoint.
 Files of dead workers stay, so counters and histograms keep counting across
 worker restarts; gauges pick a ``multiprocess_mode`` that says how values of
 several processes, dead or alive, combine:

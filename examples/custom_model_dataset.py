@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic_train.config import DataConfig, ModelConfig
-from elastic_train.datasets import DataBundle
+from elastic_train.config.job import DataConfig, ModelConfig
 from elastic_train.errors import ConfigError
+from elastic_train.workload.datasets import DataBundle
 
 HERE = Path(__file__).resolve().parent
 

@@ -4,7 +4,7 @@ Every ``eval.every_steps`` steps, and once more at the end with
 ``eval.at_end``, each rank evaluates a contiguous run of whole micro-batches of
 the evaluation set; loss, correct predictions and sample counts are reduced as
 sums, so the logged ``evaluation`` event is the single-process result, bit for
-bit, at any world size (``elastic_train/evaluate.py`` explains why)::
+bit, at any world size (``elastic_train/training/evaluate.py`` explains why)::
 
     torchrun --standalone --nproc-per-node 3 examples/evaluation.py
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import sys
 
-from elastic_train.config import load_config
-from elastic_train.datasets import digits
-from elastic_train.evaluate import evaluate
+from elastic_train.config.load import load_config
 from elastic_train.main import main
-from elastic_train.models import cross_entropy, mlp
+from elastic_train.training.evaluate import evaluate
+from elastic_train.workload.datasets import digits
+from elastic_train.workload.models import cross_entropy, mlp
 
 if __name__ == "__main__":
     code = main([

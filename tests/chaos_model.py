@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from elastic_train.config import ModelConfig
-from elastic_train.registry import MODELS
+from elastic_train.config.job import ModelConfig
+from elastic_train.workload.registry import MODELS
 
 
 class Pause(nn.Module):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.etcd_server import EtcdServer
+from elastic_train.etcd.server import EtcdServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"

@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic_train.preemption import PreemptionHandler, parse_signal
+from elastic_train.config.job import parse_signal
+from elastic_train.training.preemption import PreemptionHandler
 
 
 def _emit(**record: object) -> None:
@@ -57,7 +58,7 @@ def stuck_here() -> None:
 
 
 def hang(step_seconds: float) -> int:
-    from elastic_train.watchdog import Watchdog
+    from elastic_train.training.watchdog import Watchdog
 
     dog = Watchdog(multiple=5.0, floor_s=0.5, startup_timeout_s=5.0, poll_s=0.05).start()
     start = time.monotonic()

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from elastic_train.config import ModelConfig
-from elastic_train.models import mlp
+from elastic_train.config.job import ModelConfig
+from elastic_train.workload.models import mlp
 
 
 class Paced(nn.Module):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_train.etcd_server import EtcdServer, find_etcd_binary
+from elastic_train.etcd.server import EtcdServer, find_etcd_binary
 
 ETCD_SCRIPTS = Path(__file__).resolve().parents[1] / "deploy" / "etcd"
 ROOT_PASSWORD = "root-secret"

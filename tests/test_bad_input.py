@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train import checkpoint as ckpt
-from elastic_train.checkpoint_files import manifest_checksum
-from elastic_train.config import fingerprint, load_config
+from elastic_train.config.job import fingerprint
+from elastic_train.config.load import load_config
 from elastic_train.errors import EXIT_CHECKPOINT_FAILURES, EXIT_CONFIG_ERROR
 from elastic_train.main import main
+from elastic_train.state import checkpoint as ckpt
+from elastic_train.state.checkpoint_files import manifest_checksum
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = (

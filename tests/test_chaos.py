@@ -8,7 +8,8 @@ import pytest
 from audit_sim import SimRun
 
 from elastic_train.audit import AuditLog
-from elastic_train.chaos import (
+from elastic_train.errors import ConfigError
+from elastic_train.local.chaos import (
     ChaosEvent,
     node_count,
     node_of_rank,
@@ -16,7 +17,6 @@ from elastic_train.chaos import (
     recovery_after,
     validate_schedule,
 )
-from elastic_train.errors import ConfigError
 
 
 def test_parses_every_kind_and_both_time_forms() -> None:

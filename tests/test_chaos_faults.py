@@ -20,13 +20,13 @@ import pytest
 import torch
 from trainer_procs import run_workers
 
+from elastic_train.agent.zygote import trainer_processes
 from elastic_train.audit import RESULT_FILE, AuditTail, StepRecord
-from elastic_train.chaos import ChaosEvent
-from elastic_train.cluster import ClusterSpec, LocalCluster
 from elastic_train.errors import EXIT_HANG
-from elastic_train.etcd_server import EtcdCluster, EtcdServer
-from elastic_train.local import Delivery, Summary, summarize
-from elastic_train.zygote import trainer_processes
+from elastic_train.etcd.server import EtcdCluster, EtcdServer
+from elastic_train.local.chaos import ChaosEvent
+from elastic_train.local.cluster import ClusterSpec, LocalCluster
+from elastic_train.local.runner import Delivery, Summary, summarize
 
 TESTS_DIR = Path(__file__).resolve().parent
 JOB = (

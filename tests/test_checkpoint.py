@@ -17,15 +17,16 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastic_train.checkpoint import MANIFEST, STATE_FILE, CheckpointManager
 from elastic_train.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     ConfigError,
 )
-from elastic_train.rng import capture_rng_state, restore_rng_state
-from elastic_train.sampler import ElasticSampler
+from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.state.checkpoint_files import MANIFEST, STATE_FILE
+from elastic_train.training.rng import capture_rng_state, restore_rng_state
+from elastic_train.training.sampler import ElasticSampler
 
 FP = "fingerprint-a"
 
@@ -142,7 +143,7 @@ class _Booby:
 
 def _forge_manifest(directory: Path, step: int) -> None:
     """A manifest that is valid in every respect except that it describes a foreign file."""
-    from elastic_train.checkpoint_files import FORMAT, manifest_checksum
+    from elastic_train.state.checkpoint_files import FORMAT, manifest_checksum
 
     data = (directory / STATE_FILE).read_bytes()
     files = {STATE_FILE: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}
@@ -247,7 +248,7 @@ _CHILD = textwrap.dedent(
     """
     import json, os, resource, signal, sys
     import torch
-    from elastic_train.checkpoint import CheckpointManager
+    from elastic_train.state.checkpoint import CheckpointManager
     from elastic_train.errors import CheckpointWriteError
     from elastic_train.log import configure_logging
 
@@ -341,7 +342,7 @@ def test_an_in_flight_save_is_flushed_at_interpreter_exit(tmp_path: Path) -> Non
 
 
 def test_format_1_checkpoints_with_sha256_still_load(tmp_path: Path) -> None:
-    from elastic_train.checkpoint_files import manifest_checksum
+    from elastic_train.state.checkpoint_files import manifest_checksum
 
     manager = _manager(tmp_path, async_save=False)
     manager.save(1, _state(1.0))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_train.checkpoint import CheckpointManager
 from elastic_train.errors import CheckpointError
-from elastic_train.staging import HostStaging
+from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.state.staging import HostStaging
 
 
 def _writer_threads() -> list[threading.Thread]:
@@ -100,7 +100,7 @@ _SAVE_AT_EXIT = textwrap.dedent(
     """
     import atexit, sys
     import torch
-    from elastic_train.checkpoint import CheckpointManager
+    from elastic_train.state.checkpoint import CheckpointManager
 
     manager = CheckpointManager(sys.argv[1], keep=2, fingerprint="fp", is_writer=True)
     manager.save(1, {"w": torch.ones(3)})

@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic_train import proctree
 from elastic_train.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
-from elastic_train.cluster import port_is_free
+from elastic_train.local import proctree
+from elastic_train.local.cluster import port_is_free
 
 
 def _no_run_started(run_dir: Path) -> bool:

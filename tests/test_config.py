@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from elastic_train.config import (
-    FINGERPRINT_FIELDS,
-    JobConfig,
-    fingerprint,
-    from_dict,
-    load_config,
-    parse_cli,
-    to_toml,
-)
+from elastic_train.config.args import parse_cli
+from elastic_train.config.job import FINGERPRINT_FIELDS, JobConfig, fingerprint
+from elastic_train.config.load import from_dict, load_config, to_toml
 from elastic_train.errors import ConfigError
 
 

@@ -16,8 +16,8 @@ from conftest import SHARED_DIR
 from k8s_manifests import REPO_ROOT, container, find, pod_specs, rdzv_parameters, render
 from secure_etcd import PASSWORD, secure_etcd
 
-from elastic_train.config import load_config
-from elastic_train.etcd_server import find_etcd_binary
+from elastic_train.config.load import load_config
+from elastic_train.etcd.server import find_etcd_binary
 
 DEPLOY = REPO_ROOT / "deploy"
 COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
@@ -205,7 +205,7 @@ def test_compose_nodes_run_the_same_command_as_the_kubernetes_pods(
 ) -> None:
     from torch.distributed.run import config_from_args, get_args_parser
 
-    from elastic_train.rendezvous_config import parse_config
+    from elastic_train.torchrun_plugin import check_rdzv_conf
 
     pod = find(render("cpu"), "Job", "elastic-train")["spec"]["template"]["spec"]
     k8s_args = container(pod, "trainer")["args"]
@@ -217,4 +217,4 @@ def test_compose_nodes_run_the_same_command_as_the_kubernetes_pods(
         _, _, script = config_from_args(get_args_parser().parse_args(args))
         assert script[-3:] == ["elastic_train/main.py", "--config", "/config/train.toml"]
         params = rdzv_parameters(args)
-        assert parse_config(params).key_prefix == "/elastic-train"
+        assert check_rdzv_conf(params)[0].key_prefix == "/elastic-train"

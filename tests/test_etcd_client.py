@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from elastic_train.errors import EtcdError, EtcdUnavailableError
-from elastic_train.etcd_client import EtcdClient, EtcdClientConfig, parse_endpoint
-from elastic_train.etcd_server import EtcdCluster, EtcdServer, free_port
-from elastic_train.etcd_sync import LeaseKeeper, WatchedKey
+from elastic_train.etcd.client import EtcdClient, EtcdClientConfig, parse_endpoint
+from elastic_train.etcd.server import EtcdCluster, EtcdServer, free_port
+from elastic_train.etcd.sync import LeaseKeeper, WatchedKey
 
 
 @pytest.fixture

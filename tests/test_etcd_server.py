@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.errors import EtcdServerError
-from elastic_train.etcd_server import EtcdCluster, EtcdServer
+from elastic_train.etcd.server import EtcdCluster, EtcdServer
 
 
 def test_session_server_is_healthy_and_v2_is_off(etcd_server: EtcdServer) -> None:

@@ -12,9 +12,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_train.etcd_client import EtcdClient, EtcdClientConfig
-from elastic_train.etcd_server import EtcdServer
-from elastic_train.etcd_store import EtcdV3Store
+from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
+from elastic_train.etcd.server import EtcdServer
+from elastic_train.etcd.store import EtcdV3Store
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import pytest
 import torch
 from trainer_procs import TINY_JOB, final_params, run_workers
 
-from elastic_train.config import load_config
-from elastic_train.datasets import DataBundle
-from elastic_train.registry import DATASETS, MODELS
+from elastic_train.config.load import load_config
+from elastic_train.workload.datasets import DataBundle
+from elastic_train.workload.registry import DATASETS, MODELS
 
 STEPS = 10  # 7 steps per epoch: the epoch's short last batch and 3 steps of the next
 ATOL = 2e-6

@@ -15,7 +15,7 @@ from trainer_procs import TINY_JOB
 
 from elastic_train.audit import AuditLog, audit_exactly_once, read_result
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
-from elastic_train.etcd_server import free_port
+from elastic_train.etcd.server import free_port
 from elastic_train.launch import (
     expand_hostlist,
     slurm_torchrun_args,

@@ -11,13 +11,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic_train import proctree
 from elastic_train.audit import StepRecord
-from elastic_train.chaos import ChaosEvent
-from elastic_train.cluster import RUN_MARKER_ENV, ClusterSpec, LocalCluster
 from elastic_train.errors import ConfigError
-from elastic_train.local import run_local
-from elastic_train.progress import ProgressBoard, ProgressPrinter
+from elastic_train.local import proctree
+from elastic_train.local.chaos import ChaosEvent
+from elastic_train.local.cluster import RUN_MARKER_ENV, ClusterSpec, LocalCluster
+from elastic_train.local.progress import ProgressBoard, ProgressPrinter
+from elastic_train.local.runner import run_local
 
 WORKER = str(Path(__file__).with_name("local_worker.py"))
 

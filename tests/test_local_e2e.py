@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_train.cluster import MAIN_SCRIPT
+from elastic_train.local.cluster import MAIN_SCRIPT
 
 #: A small MLP on 96 synthetic samples, 6 steps per epoch: many finished
 #: epochs to audit. Each step takes at least 0.1 s (tests/paced_model.py), so

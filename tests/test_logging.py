@@ -15,7 +15,6 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastic_train.checkpoint import CheckpointManager
 from elastic_train.log import (
     REDACTED,
     bind_context,
@@ -24,6 +23,7 @@ from elastic_train.log import (
     redact_secrets,
     register_secret,
 )
+from elastic_train.state.checkpoint import CheckpointManager
 
 CONTEXT = {
     "run_id": "run-7",

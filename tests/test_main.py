@@ -17,10 +17,10 @@ import torch
 from torch.multiprocessing import ProcessExitedException
 from trainer_procs import TINY_JOB, final_params, run_workers
 
-from elastic_train.config import from_dict, load_config
-from elastic_train.distributed import WorkerEnv, read_worker_env, wait_for_listener
+from elastic_train.config.load import from_dict, load_config
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.main import main, run
+from elastic_train.training.distributed import WorkerEnv, read_worker_env, wait_for_listener
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = REPO / "elastic_train" / "main.py"

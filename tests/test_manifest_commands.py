@@ -37,11 +37,11 @@ from k8s_manifests import (
 )
 from secure_etcd import ETCD_SCRIPTS, PASSWORD, secure_etcd, trainer_secrets
 
-from elastic_train import proctree
-from elastic_train.config import load_config
+from elastic_train.config.load import load_config
 from elastic_train.errors import EXIT_CONFIG_ERROR
-from elastic_train.etcd_server import free_port
-from elastic_train.rendezvous_config import parse_config
+from elastic_train.etcd.server import free_port
+from elastic_train.local import proctree
+from elastic_train.torchrun_plugin import check_rdzv_conf
 
 STEPS = 40
 TINY = (
@@ -339,7 +339,7 @@ def test_the_rendezvous_backend_accepts_the_manifests_rdzv_options(
         monkeypatch.setenv(name, value)
     params = rdzv_parameters(trainer.argv[1:])
     assert params.run_id == "uid-1"
-    config = parse_config(params)  # raises ValueError naming any key it does not accept
+    config = check_rdzv_conf(params)[0]  # raises ValueError naming any key it does not accept
     assert config.key_prefix == "/elastic-train"
     if overlay == "tls":
         assert config.client.protocol == "https"
@@ -383,5 +383,5 @@ def test_the_pytorchjob_command_reaches_the_etcd_v3_backend(
     assert (params.min_nodes, params.max_nodes) == (1, worker["replicas"])
     # Without an explicit id every job would share torchrun's default "none".
     assert params.run_id == job["spec"]["elasticPolicy"]["rdzvId"] != "none"
-    assert parse_config(params).key_prefix == "/elastic-train"
+    assert check_rdzv_conf(params)[0].key_prefix == "/elastic-train"
     assert trainer.env["ELASTIC_TRAIN_METRICS_PORT"] == "9400"

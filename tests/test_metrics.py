@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_train import metrics
+from elastic_train.agent.metrics_endpoint import MetricsEndpoint, MetricsEndpointConfig
 from elastic_train.errors import ConfigError
-from elastic_train.etcd_server import free_port
-from elastic_train.node_agent import MetricsEndpoint, MetricsEndpointConfig
+from elastic_train.etcd.server import free_port
 
 NODE = metrics.node_name()
 
@@ -232,7 +232,7 @@ def test_agent_endpoint_keeps_counting_across_a_worker_restart(
 def test_importing_the_node_agent_first_keeps_the_torchrun_handlers_loadable() -> None:
     """torch's rendezvous package loads our entry points; node_agent must not import it."""
     child = (
-        "import elastic_train.node_agent\n"
+        "import elastic_train.agent.node_agent\n"
         "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as r\n"
         "import torch.distributed.elastic.rendezvous.registry\n"
         "print(sorted(r._registry))\n"

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 
 from elastic_train.audit import AuditTail
+from elastic_train.config.job import parse_signal
 from elastic_train.errors import EXIT_HANG, ConfigError
-from elastic_train.etcd_server import free_port
-from elastic_train.preemption import (
+from elastic_train.etcd.server import free_port
+from elastic_train.training.preemption import (
     CHECK_SECONDS,
     MAX_CHECK_INTERVAL,
     PreemptionHandler,
     StopReason,
-    parse_signal,
 )
-from elastic_train.watchdog import Watchdog
+from elastic_train.training.watchdog import Watchdog
 
 SCRIPT = str(Path(__file__).with_name("fault_procs.py"))
 REPO = Path(__file__).resolve().parents[1]

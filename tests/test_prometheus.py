@@ -27,8 +27,10 @@ from prom_tools import (
     wait_for,
 )
 
-from elastic_train.etcd_server import free_port
-from elastic_train.local import ClusterSpec, parse_schedule, run_local
+from elastic_train.etcd.server import free_port
+from elastic_train.local.chaos import parse_schedule
+from elastic_train.local.cluster import ClusterSpec
+from elastic_train.local.runner import run_local
 
 pytestmark = pytest.mark.prometheus
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from elastic_train import models
-from elastic_train.config import DataConfig, ModelConfig
-from elastic_train.datasets import load_batch
+from elastic_train.config.job import DataConfig, ModelConfig
 from elastic_train.errors import ConfigError
-from elastic_train.registry import DATASETS, LOSSES, MODELS, Registry
+from elastic_train.workload import models
+from elastic_train.workload.datasets import load_batch
+from elastic_train.workload.registry import DATASETS, LOSSES, MODELS, Registry
 
 
 def tiny_linear(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
@@ -31,7 +31,7 @@ def test_import_string_resolves_user_code() -> None:
     model = factory(ModelConfig(options={"bias": False}), {"in_features": 3, "num_classes": 2})
     assert isinstance(model, nn.Linear) and model.bias is None
     assert MODELS.resolve("elastic_train.models:mlp") is models.mlp
-    assert MODELS.resolve("elastic_train.models:CharTransformer") is models.CharTransformer
+    assert MODELS.resolve("elastic_train.workload.models:CharTransformer") is models.CharTransformer
 
 
 @pytest.mark.parametrize(
@@ -39,9 +39,9 @@ def test_import_string_resolves_user_code() -> None:
     [
         ("resnet", "unknown model; use one of char_transformer, mlp"),
         ("no_such_module_xyz:factory", "cannot import 'no_such_module_xyz'"),
-        ("elastic_train.models:nope", "has no 'nope'"),
-        ("elastic_train.models:", "expected an import string"),
-        ("elastic_train.models:F.__name__", "not callable"),
+        ("elastic_train.workload.models:nope", "has no 'nope'"),
+        ("elastic_train.workload.models:", "expected an import string"),
+        ("elastic_train.workload.models:F.__name__", "not callable"),
     ],
 )
 def test_bad_model_spec_names_the_field(spec: str, message: str) -> None:

@@ -20,10 +20,12 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from elastic_train import rendezvous
-from elastic_train.etcd_client import EtcdClient, EtcdClientConfig
-from elastic_train.etcd_server import EtcdCluster, EtcdServer, free_port
-from elastic_train.rendezvous import EtcdV3RendezvousBackend, create_backend, parse_config
+from elastic_train import torchrun_plugin
+from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
+from elastic_train.etcd.server import EtcdCluster, EtcdServer, free_port
+from elastic_train.rendezvous import backend as rendezvous
+from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend, create_backend
+from elastic_train.rendezvous.config import parse_config
 
 
 def _params(endpoint: str, backend: str = "etcd-v3", **conf: object) -> RendezvousParameters:
@@ -33,7 +35,7 @@ def _params(endpoint: str, backend: str = "etcd-v3", **conf: object) -> Rendezvo
         run_id=f"run-{uuid.uuid4().hex[:8]}",
         min_nodes=int(conf.pop("min_nodes", 1)),  # type: ignore[call-overload]
         max_nodes=int(conf.pop("max_nodes", 1)),  # type: ignore[call-overload]
-        **{"metrics_port": "off", **conf},
+        **conf,
     )
 
 
@@ -271,9 +273,10 @@ def test_etcd_takeover_is_live(etcd_endpoint: str) -> None:
     """Fails loudly if a torch upgrade breaks the entry-point takeover of ``etcd``."""
     from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
 
-    assert rendezvous_handler_registry._registry["etcd"] is rendezvous.create_handler
-    assert rendezvous_handler_registry._registry["etcd-v3"] is rendezvous.create_handler
-    params = _params(etcd_endpoint, backend="etcd")
+    assert rendezvous_handler_registry._registry["etcd"] is torchrun_plugin.create_handler
+    assert rendezvous_handler_registry._registry["etcd-v3"] is torchrun_plugin.create_handler
+    # Through torch's registry: our plugin, node agent included (its endpoint off).
+    params = _params(etcd_endpoint, backend="etcd", metrics_port="off")
     handler = get_rendezvous_handler(params)
     assert handler.get_backend() == "etcd"
     handler.next_rendezvous()
@@ -296,4 +299,7 @@ def test_etcd_takeover_opt_out() -> None:
         check=True,
         timeout=120,
     ).stdout.split()
-    assert out == ["torch.distributed.elastic.rendezvous.registry", "elastic_train.rendezvous"]
+    assert out == [
+        "torch.distributed.elastic.rendezvous.registry",
+        "elastic_train.torchrun_plugin",
+    ]

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic_train.etcd_server import EtcdServer
+from elastic_train.etcd.server import EtcdServer
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_minimal.py"
 STEPS = 12

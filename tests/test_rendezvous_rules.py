@@ -1,4 +1,4 @@
-"""The rules of ``elastic_train.rendezvous_ops``, with real handlers against a real etcd.
+"""The rules of ``elastic_train.rendezvous.rules``, with real handlers against a real etcd.
 
 Each test is built so that torch's own semantics would fail it: the dead node's
 heartbeat would only expire after minutes, and idle agents would rewrite the
@@ -28,9 +28,9 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
 )
 
-from elastic_train import rendezvous
-from elastic_train.etcd_client import EtcdClient, EtcdClientConfig
-from elastic_train.etcd_server import EtcdServer
+from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
+from elastic_train.etcd.server import EtcdServer
+from elastic_train.rendezvous import backend as rendezvous
 
 #: A dead node would be pruned after 30 s x 3: far beyond every deadline below.
 SLOW_PRUNING = {"keep_alive_interval": 30, "keep_alive_max_attempt": 3}
@@ -49,7 +49,7 @@ def _handlers(endpoint: str, count: int, **conf: object) -> list[RendezvousHandl
         rendezvous.create_handler(
             RendezvousParameters(
                 "etcd-v3", endpoint, run_id, min_nodes, max_nodes,
-                **{"metrics_port": "off", "last_call_timeout": 1, **conf},
+                **{"last_call_timeout": 1, **conf},
             )
         )
         for _ in range(count)

@@ -19,11 +19,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStateError,
 )
 
-from elastic_train import rendezvous
 from elastic_train.errors import EtcdError
-from elastic_train.etcd_client import EtcdClient, EtcdClientConfig
-from elastic_train.etcd_server import EtcdServer, find_etcd_binary
-from elastic_train.rendezvous import EtcdV3RendezvousBackend, create_backend
+from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
+from elastic_train.etcd.server import EtcdServer, find_etcd_binary
+from elastic_train.rendezvous import backend as rendezvous
+from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend, create_backend
 
 PASSWORD = "trainer-pw-0xf00d"
 
@@ -35,7 +35,7 @@ def _params(endpoint: str, run_id: str | None = None, **conf: object) -> Rendezv
         run_id=run_id or uuid.uuid4().hex,
         min_nodes=1,
         max_nodes=1,
-        **{"metrics_port": "off", "dial_timeout": 2, **conf},
+        **{"dial_timeout": 2, **conf},
     )
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_train.errors import ConfigError
-from elastic_train.sampler import ElasticSampler
+from elastic_train.training.sampler import ElasticSampler
 
 
 def _restore(state: dict, *, dataset_len: int, global_batch_size: int) -> ElasticSampler:

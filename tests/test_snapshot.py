@@ -22,8 +22,10 @@ import torch.distributed as dist
 from workers import start_workers
 
 from elastic_train.errors import SnapshotError
-from elastic_train.rng import capture_rng_state, restore_rng_state
-from elastic_train.snapshot import HEADER_BYTES, Agreement, SnapshotStore, broadcast_state, decide
+from elastic_train.state.restore import RestoreDecision, broadcast_state, decide
+from elastic_train.state.snapshot import SnapshotStore
+from elastic_train.state.snapshot_layout import HEADER_BYTES
+from elastic_train.training.rng import capture_rng_state, restore_rng_state
 
 FP = "fp-snap"
 
@@ -197,7 +199,7 @@ _CHILD = textwrap.dedent(
     """
     import os, resource, signal, sys
     import torch
-    from elastic_train.snapshot import SnapshotStore
+    from elastic_train.state.snapshot import SnapshotStore
 
     class DieWhenCopied(torch.Tensor):
         # Killed right after the tensor bytes are in the slot, before its header.
@@ -290,21 +292,21 @@ def test_sigkill_at_an_arbitrary_moment_leaves_a_consistent_snapshot(shm_root: P
 @pytest.mark.parametrize(
     ("rows", "expected"),
     [
-        ([(-1, 10), (12, 10), (12, 10)], Agreement("snapshot", 12, 1)),
-        ([(5, 7), (-1, 7), (3, 7)], Agreement("disk", 7, 0)),
-        ([(7, 7), (-1, 7)], Agreement("snapshot", 7, 0)),  # a tie goes to memory
-        ([(-1, -1), (-1, -1)], Agreement("none", 0, -1)),
-        ([(-1, -1), (-1, 4)], Agreement("disk", 4, 1)),
+        ([(-1, 10), (12, 10), (12, 10)], RestoreDecision("snapshot", 12, 1)),
+        ([(5, 7), (-1, 7), (3, 7)], RestoreDecision("disk", 7, 0)),
+        ([(7, 7), (-1, 7)], RestoreDecision("snapshot", 7, 0)),  # a tie goes to memory
+        ([(-1, -1), (-1, -1)], RestoreDecision("none", 0, -1)),
+        ([(-1, -1), (-1, 4)], RestoreDecision("disk", 4, 1)),
     ],
 )
-def test_decide_picks_the_newest_and_a_holder(rows: list, expected: Agreement) -> None:
+def test_decide_picks_the_newest_and_a_holder(rows: list, expected: RestoreDecision) -> None:
     table = torch.tensor(rows, dtype=torch.int64)
     assert decide(table, list(range(len(rows)))) == expected
 
 
 def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
-    from elastic_train.checkpoint import CheckpointManager
-    from elastic_train.snapshot import agree_on_newest, restore_newest
+    from elastic_train.state.checkpoint import CheckpointManager
+    from elastic_train.state.restore import agree_on_newest, restore_newest
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

@@ -19,10 +19,11 @@ from test_chaos_faults import JOB, PARAM_ATOL, Scenario
 from trainer_procs import run_workers
 
 from elastic_train.audit import AuditLog, audit_exactly_once
-from elastic_train.chaos import node_of_rank
-from elastic_train.config import fingerprint, load_config
-from elastic_train.local import Summary
-from elastic_train.snapshot import SnapshotStore
+from elastic_train.config.job import fingerprint
+from elastic_train.config.load import load_config
+from elastic_train.local.chaos import node_of_rank
+from elastic_train.local.runner import Summary
+from elastic_train.state.snapshot import SnapshotStore
 
 STEPS = 96  # 6 epochs of 16 steps
 #: A disk checkpoint every 10 steps: a restore from disk would lose up to 9.

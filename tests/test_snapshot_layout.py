@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from elastic_train.errors import CheckpointError, SnapshotError
-from elastic_train.snapshot import SnapshotStore
-from elastic_train.snapshot_layout import MAGIC, SlotEncoder
-from elastic_train.state_io import flatten_state, shape_to_json, unflatten_state
+from elastic_train.state.snapshot import SnapshotStore
+from elastic_train.state.snapshot_layout import MAGIC, SlotEncoder
+from elastic_train.state.state_io import flatten_state, shape_to_json, unflatten_state
 
 
 @pytest.fixture

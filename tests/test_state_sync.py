@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_train.config import ElasticConfig, load_config
-from elastic_train.distributed import WorkerEnv
+from elastic_train.config.job import ElasticConfig
+from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
-from elastic_train.state_sync import (
+from elastic_train.training.distributed import WorkerEnv
+from elastic_train.training.state_sync import (
     NodeSnapshots,
     SnapshotCadence,
     open_snapshots,

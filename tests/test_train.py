@@ -12,11 +12,17 @@ import pytest
 import torch
 from trainer_procs import TINY_JOB, final_params, run_workers
 
-from elastic_train.config import ScheduleConfig, TrainingConfig, load_config
+from elastic_train.config.job import ScheduleConfig, TrainingConfig
+from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
-from elastic_train.optim import build_scheduler, global_batch_size, lr_multiplier, total_steps
-from elastic_train.step import micro_batches
-from elastic_train.train import checkpoint_due
+from elastic_train.training.loop import checkpoint_due
+from elastic_train.training.optim import (
+    build_scheduler,
+    global_batch_size,
+    lr_multiplier,
+    total_steps,
+)
+from elastic_train.training.step import micro_batches
 
 ATOL = 2e-6
 

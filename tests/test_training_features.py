@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import TensorDataset
 
-from elastic_train.comm_hooks import CommHook
 from elastic_train.errors import ConfigError
-from elastic_train.etcd_server import free_port
-from elastic_train.evaluate import evaluate, micro_batches
-from elastic_train.precision import Precision
+from elastic_train.etcd.server import free_port
+from elastic_train.training.comm_hooks import CommHook
+from elastic_train.training.evaluate import evaluate, micro_batches
+from elastic_train.training.precision import Precision
 
 N_EVAL = 203  # prime-ish, so shards are uneven and the last micro-batch is short
 

@@ -18,18 +18,19 @@ import torch
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from trainer_procs import TINY_JOB
 
-from elastic_train import node_agent
-from elastic_train.audit import AuditTail
-from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
-from elastic_train.rendezvous_config import parse_config
-from elastic_train.warm_start import SOCKET_ENV, interpreter_fingerprint, launcher_name
-from elastic_train.zygote import (
+from elastic_train.agent import node_agent
+from elastic_train.agent.warm_start import SOCKET_ENV, interpreter_fingerprint, launcher_name
+from elastic_train.agent.worker_entry import WorkerEntry
+from elastic_train.agent.zygote import (
     SOCKET_NAME,
     ZYGOTE_NAME,
     ZygoteProcess,
     _remove_stale_directories,
     trainer_processes,
 )
+from elastic_train.audit import AuditTail
+from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
+from elastic_train.torchrun_plugin import check_rdzv_conf
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = REPO / "elastic_train" / "main.py"
@@ -48,29 +49,46 @@ def _params(**conf: str) -> RendezvousParameters:
 
 def test_warm_start_key_is_parsed_like_the_other_node_agent_keys() -> None:
     assert "warm_start" in node_agent.RDZV_CONF_KEYS
-    parse_config(_params(warm_start="0"))  # the backend accepts the key
-    enabled = node_agent.warm_start_enabled
-    assert enabled(_params(), {}) is (sys.platform == "linux")
-    assert enabled(_params(warm_start="0"), {}) is False
-    assert enabled(_params(), {"ELASTIC_TRAIN_WARM_START": "off"}) is False
+    check_rdzv_conf(_params(warm_start="0"))  # the backend accepts the key
+
+    def setting(params: RendezvousParameters, environ: dict[str, str]) -> bool | None:
+        return node_agent.AgentSettings.from_params(params, environ).warm_start
+
+    assert setting(_params(), {}) is None  # auto
+    assert setting(_params(warm_start="auto"), {}) is None
+    assert setting(_params(warm_start="0"), {}) is False
+    assert setting(_params(), {"ELASTIC_TRAIN_WARM_START": "off"}) is False
     # The rdzv-conf key wins over the environment, as for every node_agent key.
-    assert enabled(_params(warm_start="1"), {"ELASTIC_TRAIN_WARM_START": "0"}) is (
-        sys.platform == "linux"
-    )
+    assert setting(_params(warm_start="1"), {"ELASTIC_TRAIN_WARM_START": "0"}) is True
     with pytest.raises(ConfigError, match=r"warm_start='maybe'.*expected one of 1, 0, true"):
-        enabled(_params(warm_start="maybe"), {})
+        setting(_params(warm_start="maybe"), {})
 
 
-def test_only_an_agent_whose_workers_run_our_main_starts_a_zygote() -> None:
-    assert node_agent.runs_our_trainer(["torchrun", "--nnodes=1:2", str(MAIN), "--x=1"])
-    assert node_agent.runs_our_trainer(["torchrun", "-m", "elastic_train.main"])
-    assert not node_agent.runs_our_trainer(["torchrun", str(REPO / "tests/scripts/ddp_minimal.py")])
-    assert not node_agent.runs_our_trainer(sys.argv)  # a process that creates handlers itself
+def test_the_worker_entry_comes_from_the_torchrun_command() -> None:
+    own = REPO / "tests/scripts/ddp_minimal.py"
+    entry = WorkerEntry.from_torchrun_argv
+    assert entry(["torchrun", "--nnodes=1:2", str(MAIN), "--x=1"]) == WorkerEntry(str(MAIN))
+    assert entry(["/x/torch/distributed/run.py", "-m", "elastic_train.main"]) == WorkerEntry(
+        "elastic_train.main", is_module=True
+    )
+    assert entry(["torchrun", "--no-python", "echo", "hi"]) is None
+    assert entry(sys.argv) is None  # a process that creates handlers itself
+    assert entry(["torchrun", "-m", "elastic_train.main"]).file() == str(MAIN.resolve())
+    assert entry(["torchrun", str(own)]).file() == str(own.resolve())
+    # auto: a zygote for our trainer only; warm_start=1 for any Python entry.
+    auto, forced = node_agent.AgentSettings(), node_agent.AgentSettings(warm_start=True)
+    linux = sys.platform == "linux"
+    assert (auto.zygote_entry(["torchrun", str(MAIN)]) is not None) is linux
+    assert auto.zygote_entry(["torchrun", str(own)]) is None
+    assert forced.zygote_entry(["torchrun", str(own)]) == (WorkerEntry(str(own)) if linux else None)
+    assert node_agent.AgentSettings(warm_start=False).zygote_entry(["torchrun", str(MAIN)]) is None
 
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
-    proc = ZygoteProcess(parent_dir=tmp_path_factory.mktemp("zygote"), environ=_env(None))
+    proc = ZygoteProcess(
+        WorkerEntry(str(MAIN)), parent_dir=tmp_path_factory.mktemp("zygote"), environ=_env(None)
+    )
     yield proc
     proc.close()
     assert not proc.directory.exists()
@@ -136,11 +154,11 @@ def _wait_for_step(audit: Path, step: int, proc: subprocess.Popen[str]) -> int:
 def test_preload_starts_no_thread_and_leaves_cuda_alone() -> None:
     code = (
         "import json, sys, threading, torch\n"
-        "from elastic_train.zygote import preload\n"
+        "from elastic_train.agent.zygote import preload\n"
         "preload()\n"
         "print(json.dumps({'threads': threading.active_count(),\n"
         "    'cuda': torch.cuda.is_initialized(), 'dynamo': 'torch._dynamo' in sys.modules,\n"
-        "    'trainer': 'elastic_train.train' in sys.modules}))\n"
+        "    'trainer': 'elastic_train.training.loop' in sys.modules}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     facts = json.loads(out.stdout)
@@ -243,7 +261,7 @@ def test_a_signal_to_the_launcher_preempts_the_child_with_no_lost_step(
 def test_a_worker_outlives_its_zygote_and_still_reports_its_exit_code(tmp_path: Path) -> None:
     """The zygote dies (its agent is gone, or a crash): its children train on, and a
     launcher exits with the code its child reported, here 0 after a preemption."""
-    own = ZygoteProcess(parent_dir=tmp_path, environ=_env(None))
+    own = ZygoteProcess(WorkerEntry(str(MAIN)), parent_dir=tmp_path, environ=_env(None))
     try:
         run = tmp_path / "run"
         launcher = _launch(own.socket_path, run, *PACED, "training.steps=100000")
@@ -283,8 +301,9 @@ def _parent_of_a_zygote(tmp_path: Path, *, wait_ready: bool) -> tuple[subprocess
     code = (
         "import json, socket, sys, time\n"
         "from pathlib import Path\n"
-        "from elastic_train.zygote import ZygoteProcess\n"
-        f"z = ZygoteProcess(parent_dir=Path({str(tmp_path)!r}))\n"
+        "from elastic_train.agent.zygote import ZygoteProcess\n"
+        "from elastic_train.agent.worker_entry import WorkerEntry\n"
+        f"z = ZygoteProcess(WorkerEntry({str(MAIN)!r}), parent_dir=Path({str(tmp_path)!r}))\n"
         f"if {wait_ready}:\n"  # an empty request is declined, once the zygote serves
         "    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:\n"
         "        s.connect(str(z.socket_path)); s.send(b'{}'); s.recv(4096)\n"
@@ -380,3 +399,27 @@ def _node_zygote(run: Path, node: str, runner: subprocess.Popen[str]) -> psutil.
         if ours and proc.info["name"] == ZYGOTE_NAME and env.get("ELASTIC_TRAIN_NODE") == node:
             return proc
     raise AssertionError(f"no zygote of {node}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the zygote is Linux only")
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_users_own_script_is_forked_warm_and_keeps_its_exit_code(
+    etcd_endpoint: str, tmp_path: Path, code: int
+) -> None:
+    """The zygote runs the entry of the torchrun command, not only our main.py."""
+    script = REPO / "tests/scripts/own_warm_entry.py"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+            "--max-restarts=0", "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_endpoint}",
+            f"--rdzv-id=own-{code}-{os.getpid()}", "--rdzv-conf=warm_start=1,metrics_port=0",
+            str(script), str(tmp_path), str(code),
+        ],
+        env=_env(None), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert (proc.returncode == 0) is (code == 0), proc.stderr[-3000:]
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report == {"preloaded": True, "parent": ZYGOTE_NAME}, proc.stderr[-3000:]
+    if code:
+        assert f"exitcode  : {code}" in proc.stderr, proc.stderr[-3000:]

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from workers import start_workers
 
-from elastic_train.config import load_config
-from elastic_train.distributed import read_worker_env
-from elastic_train.etcd_server import free_port
+from elastic_train.config.load import load_config
+from elastic_train.etcd.server import free_port
 from elastic_train.main import run
+from elastic_train.training.distributed import read_worker_env
 
 #: A tiny job: 98 samples and a global batch of 16 make a short last batch of 2,
 #: so at world size 3 one rank gets an empty shard; micro-batches of 3 force

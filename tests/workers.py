@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "elastic_train.train"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "elastic_train.training.loop"]
 
 
 def start_workers(fn: Callable[..., None], *, args: tuple[Any, ...], nprocs: int) -> None:

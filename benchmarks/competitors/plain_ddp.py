@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_train.config import DataConfig, ModelConfig
-from elastic_train.datasets import synthetic
-from elastic_train.models import mlp
+from elastic_train.config.job import DataConfig, ModelConfig
+from elastic_train.workload.datasets import synthetic
+from elastic_train.workload.models import mlp
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

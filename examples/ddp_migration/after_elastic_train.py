@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic_train.config import DataConfig, ModelConfig
-from elastic_train.datasets import DataBundle
+from elastic_train.config.job import DataConfig, ModelConfig
+from elastic_train.workload.datasets import DataBundle
 
 
 def make_dataset(cfg: DataConfig) -> DataBundle:

@@ -1,0 +1,238 @@
+"""The node agent: what elastic_train adds to each torchrun agent process.
+
+The torchrun plugin (:mod:`elastic_train.torchrun_plugin`) builds one
+:class:`NodeAgent` per agent process from the agent's rdzv-conf keys, starts
+it, and wraps the rendezvous handler with :meth:`NodeAgent.attach`. The agent
+then owns:
+
+- the node's metrics endpoint (:mod:`elastic_train.agent.metrics_endpoint`);
+- the timing of every rendezvous round, and of every restart after the first;
+- the node's zygote (:mod:`elastic_train.agent.zygote`), which forks warm
+  workers, replaced if it dies.
+
+Settings, each an ``--rdzv-conf`` key, else an environment variable, else the
+default (the key wins, so a command line says what it does):
+
+=================  ===============================  =================================
+rdzv-conf key      environment variable             default
+=================  ===============================  =================================
+``metrics_port``   ``ELASTIC_TRAIN_METRICS_PORT``   ``9402``; ``0`` picks a free port;
+                                                    ``off`` serves nothing
+``metrics_host``   ``ELASTIC_TRAIN_METRICS_HOST``   ``0.0.0.0`` (all interfaces)
+``metrics_dir``    ``ELASTIC_TRAIN_METRICS_DIR``    the system temporary directory
+``warm_start``     ``ELASTIC_TRAIN_WARM_START``     ``auto``: on (Linux) when the workers
+                                                    run ``elastic_train/main.py``;
+                                                    ``1`` for any Python entry that
+                                                    calls ``hand_over``; ``0`` off
+=================  ===============================  =================================
+
+``metrics_dir`` is the *parent* of the per-run directory; only the per-run
+directory, which the endpoint made, is ever deleted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+
+from elastic_train import metrics
+from elastic_train.agent import warm_start
+from elastic_train.agent.metrics_endpoint import (
+    MetricsEndpoint,
+    MetricsEndpointConfig,
+    agent_setting,
+)
+from elastic_train.agent.worker_entry import WorkerEntry
+from elastic_train.agent.zygote import ZygoteProcess
+from elastic_train.errors import ConfigError
+from elastic_train.log import bind_context, get_logger
+
+__all__ = ["RDZV_CONF_KEYS", "AgentSettings", "NodeAgent", "NodeAgentHandler"]
+
+log = get_logger(__name__)
+
+#: The ``--rdzv-conf`` keys the node agent reads; the plugin tells the backend to accept them.
+RDZV_CONF_KEYS = frozenset({"metrics_port", "metrics_host", "metrics_dir", "warm_start"})
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """The node agent's settings; ``warm_start=None`` is ``auto``."""
+
+    metrics: MetricsEndpointConfig = field(default_factory=MetricsEndpointConfig)
+    warm_start: bool | None = None
+
+    @classmethod
+    def from_params(
+        cls, params: RendezvousParameters, environ: Mapping[str, str] = os.environ
+    ) -> AgentSettings:
+        """Parse the agent's rdzv-conf keys; :class:`ConfigError` names a bad one."""
+        text = agent_setting(params, "warm_start", environ)
+        enabled = None
+        if text is not None and text.strip().lower() != "auto":
+            try:
+                enabled = warm_start.parse_warm_start(text)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+        return cls(metrics=MetricsEndpointConfig.from_params(params, environ), warm_start=enabled)
+
+    def zygote_entry(self, argv: Sequence[str]) -> WorkerEntry | None:
+        """The entry a zygote should preload for, or None for no zygote (with the reason logged)."""
+        if self.warm_start is False:
+            log.info("warm_start_disabled", reason="warm_start=0")
+            return None
+        if sys.platform != "linux":
+            if self.warm_start:
+                log.warning("warm_start_unsupported", platform=sys.platform, hint="Linux only")
+            return None
+        entry = WorkerEntry.from_torchrun_argv(argv)
+        if entry is None:
+            # Not a torchrun agent with a Python entry (tests, the rendezvous
+            # benchmark): no import of torch to pay for, no socket to export.
+            log.info("warm_start_disabled", reason="no Python worker entry on the command line")
+            return None
+        if self.warm_start is None and not entry.is_ours():
+            log.info("warm_start_disabled", reason="auto: the workers do not run our main.py")
+            return None
+        return entry
+
+
+class NodeAgent:
+    """The node's endpoint and zygote, and the timing of its rendezvous rounds."""
+
+    def __init__(self, settings: AgentSettings, *, run_id: str, argv: Sequence[str]) -> None:
+        self._settings = settings
+        self._run_id = run_id
+        self._entry = settings.zygote_entry(argv)
+        self.endpoint: MetricsEndpoint | None = None
+        self.zygote: ZygoteProcess | None = None
+        self._rounds = 0
+
+    def start(self, *, min_nodes: int, max_nodes: int) -> None:
+        """Serve metrics, then start the zygote (its imports must see the metrics directory)."""
+        node = metrics.node_name()
+        bind_context(run_id=self._run_id, node=node)
+        config = self._settings.metrics
+        if config.port is None:
+            log.info("metrics_endpoint_disabled")
+        else:
+            self.endpoint = MetricsEndpoint(
+                host=config.host, port=config.port, parent_dir=config.parent_dir,
+                run_id=self._run_id,
+            )  # fmt: skip
+        self._start_zygote()
+        metrics.MIN_NODES.labels(node).set(min_nodes)
+        metrics.MAX_NODES.labels(node).set(max_nodes)
+        # Every series from the start, so a first restart shows as 0 -> 1, not a new series.
+        for series in (
+            metrics.RESTARTS,
+            metrics.RDZV_ROUNDS,
+            metrics.WORLD_SIZE,
+            metrics.RDZV_SECONDS,
+        ):
+            series.labels(node)
+        metrics.NODES.labels(node).set(
+            0
+        )  # not in a round yet: a first round that never ends alerts
+
+    def attach(self, handler: RendezvousHandler) -> NodeAgentHandler:
+        """``handler`` with this agent around its rounds."""
+        return NodeAgentHandler(handler, self)
+
+    def _start_zygote(self) -> None:
+        if self._entry is None:
+            return
+        try:
+            self.zygote = ZygoteProcess(self._entry)
+        except OSError as exc:  # a zygote that cannot start only costs speed
+            log.warning("warm_start_unavailable", reason=str(exc))
+            return
+        atexit.register(self.zygote.close)
+        os.environ[warm_start.SOCKET_ENV] = str(self.zygote.socket_path)
+        log.info(
+            "warm_start_zygote_started", pid=self.zygote.pid, socket=str(self.zygote.socket_path)
+        )
+
+    def _replace_dead_zygote(self) -> None:
+        """A zygote that died (a crash, the OOM killer) would turn every later start cold."""
+        if self.zygote is None or self.zygote.proc.poll() is None:
+            return
+        log.warning(
+            "warm_start_zygote_died", pid=self.zygote.pid, exit_code=self.zygote.proc.returncode
+        )
+        atexit.unregister(self.zygote.close)
+        self.zygote.close()
+        self.zygote = None
+        self._start_zygote()
+
+    def next_round(self, handler: RendezvousHandler) -> RendezvousInfo:
+        """One rendezvous round, counted and timed.
+
+        Every round after the first is a restart of this node's workers; its
+        start is when the agent began to recover, which the workers it spawns
+        next receive in :data:`metrics.RECOVERY_STARTED_AT_ENV`.
+        """
+        node = metrics.node_name()
+        if self._rounds:
+            self._replace_dead_zygote()  # it imports while the round runs
+            os.environ[metrics.RECOVERY_STARTED_AT_ENV] = repr(time.time())
+            metrics.RESTARTS.labels(node).inc()
+            metrics.NODES.labels(node).set(0)
+            metrics.WORLD_SIZE.labels(node).set(0)
+        else:
+            os.environ.pop(metrics.RECOVERY_STARTED_AT_ENV, None)
+        start = time.perf_counter()
+        info = handler.next_rendezvous()
+        seconds = time.perf_counter() - start
+        self._rounds += 1
+        metrics.RDZV_ROUNDS.labels(node).inc()
+        metrics.RDZV_SECONDS.labels(node).observe(seconds)
+        metrics.NODES.labels(node).set(info.world_size)
+        log.info(
+            "rendezvous_joined", round=self._rounds, group_rank=info.rank,
+            nodes=info.world_size, seconds=round(seconds, 3),
+        )  # fmt: skip
+        return info
+
+
+class NodeAgentHandler(RendezvousHandler):
+    """A rendezvous handler with the node agent around its rounds; the rest is delegated."""
+
+    def __init__(self, inner: RendezvousHandler, agent: NodeAgent) -> None:
+        self.inner = inner
+        self.agent = agent
+
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self.inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        return self.agent.next_round(self.inner)
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()

@@ -1,0 +1,3 @@
+"""One machine as a cluster: embedded etcd, torchrun agents as nodes, the chaos schedule, progress
+and process-tree signals.
+"""

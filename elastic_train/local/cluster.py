@@ -1,0 +1,409 @@
+"""``LocalCluster``: torchrun agents as "nodes" on one machine, and the faults
+a chaos schedule inflicts on them. ``elastic_train.local.runner`` drives it.
+
+Each node is one torchrun agent in its own session and process group, with
+``ELASTIC_TRAIN_NODE=node<i>``. The rendezvous is the embedded etcd for the
+etcd backends (``etcd-v2`` gets etcd's v2 API switched on) or a free loopback
+port for ``c10d``, unless an endpoint is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from elastic_train.agent import zygote
+from elastic_train.config.args import parse_cli
+from elastic_train.errors import ClusterError, ConfigError
+from elastic_train.etcd.server import EtcdServer, free_port
+from elastic_train.local import proctree
+from elastic_train.local.chaos import ChaosEvent, node_count, validate_schedule
+from elastic_train.log import get_logger
+from elastic_train.training.state_sync import remove_run_snapshots
+
+log = get_logger(__name__)
+
+MAIN_SCRIPT = Path(__file__).resolve().parent.parent / "main.py"
+#: backends that rendezvous through the embedded etcd
+ETCD_BACKENDS = frozenset({"etcd", "etcd-v3", "etcd-v2"})
+#: set in every process of a run (inherited by workers) so the last cleanup
+#: sweep finds even workers orphaned before the runner saw them
+RUN_MARKER_ENV = "ELASTIC_TRAIN_LOCAL_RUN"
+#: seconds between two scans for the processes of the nodes (see ``poll``)
+SCAN_INTERVAL_S = 1.0
+#: placeholders that ``script_args`` may contain, for scripts other than ours
+PLACEHOLDERS = ("{run_dir}", "{audit_dir}", "{checkpoint_dir}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to run. ``trainer_args`` only applies to elastic_train's own main.py."""
+
+    nodes: int = 3
+    nproc_per_node: int = 1
+    #: ``--nnodes MIN:MAX``; MIN 1 lets any survivor go on alone
+    min_nodes: int = 1
+    #: default: every node that can exist (initial ones plus new joiners)
+    max_nodes: int | None = None
+    chaos: tuple[ChaosEvent, ...] = ()
+    script: str = str(MAIN_SCRIPT)
+    script_args: tuple[str, ...] = ()
+    #: append ``--logging.audit_dir`` and ``--checkpoint.dir`` (our trainer's flags)
+    trainer_args: bool = True
+    rdzv_backend: str = "etcd"
+    #: ``key=value,...`` for ``--rdzv-conf``; empty keeps the backend's defaults
+    rdzv_conf: str = ""
+    #: an external rendezvous endpoint; None starts etcd (or picks a c10d port)
+    rdzv_endpoint: str | None = None
+    #: every kill and join costs one restart of the survivors
+    max_restarts: int = 1000
+    #: extra environment for the agents (and so the workers)
+    env: tuple[tuple[str, str], ...] = ()
+    #: the nodes' metrics endpoints (node_agent): node i on ``metrics_port + i``,
+    #: 0 for free ports picked per node, None for none. One machine cannot give
+    #: every agent node_agent's default port.
+    metrics_port: int | None = 0
+    timeout_s: float = 900.0
+    #: on abort: seconds between SIGTERM to the agents and SIGKILL to everything
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "nproc_per_node", "min_nodes", "max_restarts"):
+            if getattr(self, name) < (0 if name == "max_restarts" else 1):
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_nodes > self.nodes:
+            raise ConfigError(f"min_nodes ({self.min_nodes}) exceeds nodes ({self.nodes})")
+        if self.max_nodes is not None and self.max_nodes < self.node_count:
+            raise ConfigError(
+                f"max_nodes ({self.max_nodes}) is below the {self.node_count} nodes "
+                "that the nodes and the chaos joins can start"
+            )
+        if self.timeout_s <= 0 or self.grace_s < 0:
+            raise ConfigError("timeout_s must be > 0 and grace_s >= 0")
+        if self.rdzv_endpoint is None and self.rdzv_backend not in ETCD_BACKENDS | {"c10d"}:
+            raise ConfigError(
+                f"rdzv_backend {self.rdzv_backend!r} needs rdzv_endpoint; the runner hosts "
+                f"only {', '.join(sorted(ETCD_BACKENDS | {'c10d'}))}"
+            )
+        validate_schedule(self.chaos, nodes=self.nodes)
+
+    @property
+    def node_count(self) -> int:
+        return node_count(self.chaos, nodes=self.nodes)
+
+    @property
+    def nnodes(self) -> str:
+        return f"{self.min_nodes}:{self.max_nodes or self.node_count}"
+
+
+@dataclass
+class Node:
+    """One node's agent; ``fate`` says what the runner did to its latest incarnation."""
+
+    index: int
+    proc: subprocess.Popen[bytes]
+    fate: str = "running"
+    stopped: list[psutil.Process] = field(default_factory=list)
+    #: wall time, comparable with the audit records' times
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def name(self) -> str:
+        return f"node{self.index}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def state(self) -> str:
+        if self.alive:
+            return self.fate
+        if self.fate in ("killed", "terminated"):
+            return self.fate
+        return f"exited({self.proc.returncode})"
+
+
+class LocalCluster:
+    """Starts and supervises the nodes; ``close()`` leaves no process behind."""
+
+    def __init__(self, spec: ClusterSpec, *, run_dir: str | Path) -> None:
+        self.spec = spec
+        self.run_dir = Path(run_dir)
+        self.run_id = f"local-{uuid.uuid4().hex[:12]}"
+        self.nodes: dict[int, Node] = {}
+        self.etcd: EtcdServer | None = None
+        self.endpoint = spec.rdzv_endpoint or ""
+        self._seen: dict[tuple[int, float], psutil.Process] = {}
+        self._free_ports: dict[int, int] = {}
+        self._last_scan = float("-inf")
+        #: every agent ever started, for the last wait (nodes holds the latest only)
+        self.incarnations: list[Node] = []
+
+    @property
+    def audit_dir(self) -> Path:
+        return self.run_dir / "audit"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self._check_trainer_args()
+        self._check_metrics_ports()
+        if self.audit_dir.is_dir() and any(self.audit_dir.iterdir()):
+            # Old records and an old result.json would be audited as this run's.
+            raise ConfigError(f"run_dir {self.run_dir} already holds a run; use a new one")
+        for sub in ("audit", "checkpoints", "logs"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        if not self.endpoint:
+            self.endpoint = self._start_rendezvous_server()
+        for index in range(self.spec.nodes):
+            self.start_node(index)
+
+    def _check_trainer_args(self) -> None:
+        """Refuse a bad override before starting anything.
+
+        Workers would exit with a config error and their agents restart them,
+        up to ``max_restarts`` times, so the runner checks first.
+        """
+        if Path(self.spec.script).resolve() == MAIN_SCRIPT.resolve():
+            parse_cli(self.worker_args())
+
+    def _check_metrics_ports(self) -> None:
+        """A taken port would crash that node's agent at its first rendezvous."""
+        for index in range(self.spec.node_count):
+            port = self.metrics_port(index)
+            if port and not port_is_free(port):
+                raise ConfigError(
+                    f"metrics_port: port {port} of node{index} is in use; choose another "
+                    "base port, 0 for free ports, or off"
+                )
+
+    def _start_rendezvous_server(self) -> str:
+        if self.spec.rdzv_backend == "c10d":
+            # The first agent to bind the port hosts the TCPStore.
+            return f"127.0.0.1:{free_port()}"
+        extra = ("--enable-v2",) if self.spec.rdzv_backend == "etcd-v2" else ()
+        self.etcd = EtcdServer(data_dir=self.run_dir / "etcd" / "data", extra_args=extra)
+        self.etcd.start()
+        log.info("local_etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.process.pid)  # type: ignore[union-attr]
+        return self.etcd.endpoint
+
+    def worker_args(self) -> list[str]:
+        """The worker script's arguments: ``script_args`` filled in, plus our trainer's dirs."""
+        args = [self._fill(arg) for arg in self.spec.script_args]
+        if self.spec.trainer_args:
+            args += [
+                f"--logging.audit_dir={self.audit_dir}",
+                f"--checkpoint.dir={self.checkpoint_dir}",
+            ]
+        return args
+
+    def command(self) -> list[str]:
+        spec = self.spec
+        conf = [f"--rdzv-conf={spec.rdzv_conf}"] if spec.rdzv_conf else []
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={spec.nnodes}",
+            f"--nproc-per-node={spec.nproc_per_node}",
+            f"--rdzv-backend={spec.rdzv_backend}",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--max-restarts={spec.max_restarts}",
+            *conf,
+            spec.script,
+            *self.worker_args(),
+        ]
+
+    def _fill(self, arg: str) -> str:
+        values = (self.run_dir, self.audit_dir, self.checkpoint_dir)
+        for placeholder, value in zip(PLACEHOLDERS, values, strict=True):
+            arg = arg.replace(placeholder, str(value))
+        return arg
+
+    def start_node(self, index: int) -> Node:
+        if index in self.nodes and self.nodes[index].alive:
+            raise ClusterError(f"node{index} is already running")
+        env = {**os.environ, **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
+        env |= {"ELASTIC_TRAIN_NODE": f"node{index}", RUN_MARKER_ENV: self.run_id}
+        env_port = self.metrics_port(index)
+        env["ELASTIC_TRAIN_METRICS_PORT"] = str(env_port or "off")
+        env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")
+        env.setdefault("ELASTIC_TRAIN_METRICS_DIR", str(self.run_dir / "metrics"))  # not /tmp
+        # All "nodes" share this machine's cores; torchrun sets OMP_NUM_THREADS only
+        # for nproc-per-node > 1, and oversubscribed intra-op threads slow every step.
+        workers = max(1, self.spec.nodes * self.spec.nproc_per_node)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        with open(self.run_dir / "logs" / f"node{index}.log", "ab") as out:
+            proc = subprocess.Popen(
+                self.command(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        node = self.nodes[index] = Node(index=index, proc=proc)
+        self.incarnations.append(node)
+        self._remember([psutil.Process(proc.pid)])
+        log.info("local_node_started", node=node.name, pid=proc.pid, metrics_port=env_port)
+        return node
+
+    def metrics_port(self, index: int) -> int | None:
+        """The node's metrics port, the same for every incarnation of the node."""
+        if self.spec.metrics_port is None:
+            return None
+        if self.spec.metrics_port:
+            return self.spec.metrics_port + index
+        return self._free_ports.setdefault(index, free_port())
+
+    def alive_nodes(self) -> list[Node]:
+        return [node for node in self.nodes.values() if node.alive]
+
+    def poll(self) -> None:
+        """Reap exited agents; now and then remember every process seen, for the final sweep.
+
+        Listing descendants scans /proc, so it is throttled: callers (the
+        benchmarks) may poll many times a second on a 2-core machine.
+        """
+        alive = self.alive_nodes()
+        if time.monotonic() - self._last_scan < SCAN_INTERVAL_S:
+            return
+        self._last_scan = time.monotonic()
+        for node in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                self._remember(proctree.descendants(psutil.Process(node.proc.pid)))
+
+    def _remember(self, procs: list[psutil.Process]) -> None:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+                self._seen.setdefault((proc.pid, proc.create_time()), proc)
+
+    def deliver(self, event: ChaosEvent) -> str | None:
+        """Carry out one event; the outcome, or None to retry on the next tick.
+
+        Retried: a stop while the node has no worker, a join while the
+        node's terminated agent is still shutting down.
+        """
+        if event.node is None:
+            raise ClusterError(f"chaos event {event} must be resolved to a node index first")
+        node = self.nodes.get(event.node)
+        running = node is not None and node.alive
+        if event.kind == "join":
+            if running and node.fate == "terminated":  # type: ignore[union-attr]
+                return None  # rejoin once the old agent finished shutting down
+            if running:
+                return f"skipped: node{event.node} is already running"
+            self.start_node(event.node)
+            return "delivered"
+        if node is None or not running:
+            return f"skipped: node{event.node} is not running"
+        agent = psutil.Process(node.proc.pid)
+        if event.kind == "kill":
+            procs = proctree.kill_tree(agent)
+            self._remember(procs)
+            node.proc.wait()
+            proctree.wait_gone(procs, own=frozenset({agent.pid}))
+            node.fate = "killed"
+        elif event.kind == "term":
+            node.proc.send_signal(signal.SIGTERM)
+            node.fate = "terminated"
+        else:
+            return self._stop_one_worker(node, agent)
+        return "delivered"
+
+    def _stop_one_worker(self, node: Node, agent: psutil.Process) -> str | None:
+        try:
+            workers = sorted(zygote.trainer_processes(agent), key=lambda p: p.pid)
+        except psutil.NoSuchProcess:
+            return None
+        if not workers:
+            return None
+        workers[0].suspend()
+        node.stopped.append(workers[0])
+        node.fate = "worker-stopped"
+        return "delivered"
+
+    def close(self) -> None:
+        """Stop everything this cluster started, however we got here."""
+        with _sigint_deferred():
+            self._stop_nodes()
+            if self.etcd is not None:
+                self.etcd.stop()
+                shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
+            remove_run_snapshots(self.run_id)  # killed nodes' /dev/shm snapshots
+
+    def _stop_nodes(self) -> None:
+        self._last_scan = float("-inf")  # a fresh scan: the last one may be a second old
+        self.poll()
+        alive = self.alive_nodes()
+        if alive:
+            log.info("local_nodes_stopping", nodes=[node.name for node in alive])
+            for node in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    node.proc.send_signal(signal.SIGTERM)
+            # A SIGSTOPped worker only acts on SIGTERM once continued.
+            stopped = [proc for node in self.nodes.values() for proc in node.stopped]
+            proctree.signal_all(stopped, signal.SIGCONT)
+            proctree.wait_gone(self._seen_list(), timeout=self.spec.grace_s, own=self._own())
+        leftovers = proctree.alive(self._seen_list())
+        leftovers += proctree.marked_processes(RUN_MARKER_ENV, self.run_id)
+        for proc in leftovers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                self._remember(proctree.kill_tree(proc))
+        proctree.wait_gone(self._seen_list(), own=self._own())
+        for node in self.incarnations:
+            node.proc.wait()
+
+    def _seen_list(self) -> list[psutil.Process]:
+        return list(self._seen.values())
+
+    def _own(self) -> frozenset[int]:
+        return frozenset(node.proc.pid for node in self.incarnations)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _sigint_deferred():  # type: ignore[no-untyped-def]
+    """Keep a second Ctrl-C from interrupting the cleanup it triggered."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,407 @@
+"""The etcd v3 rendezvous for torchrun: ``--rdzv-backend etcd-v3`` (and ``etcd``).
+
+PyTorch's ``DynamicRendezvousHandler`` runs the rendezvous state machine; this
+module gives it a backend on the etcd v3 API (:class:`EtcdV3RendezvousBackend`),
+an etcd-backed c10d store, fast-recovery defaults, and the torchrun entry points.
+
+The handler stores its state as a *pickle*, so whoever can write the state key
+can run code on every agent that reads it. With a job secret (rdzv-conf
+``secret_file`` or ``ELASTIC_TRAIN_RDZV_SECRET``) each value is signed with
+HMAC-SHA256 and verified before the bytes reach the unpickler
+(:mod:`rendezvous_codec`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import TypeVar
+
+from torch.distributed import Store
+from torch.distributed.elastic.events import NodeState
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousSettings,
+    RendezvousTimeout,
+    Token,
+    _NodeDesc,
+)
+
+from elastic_train.errors import EtcdError, EtcdUnavailableError
+from elastic_train.etcd.client import EtcdClient, KeyValue
+from elastic_train.etcd.store import EtcdV3Store
+from elastic_train.etcd.sync import LeaseKeeper, WatchedKey, close_with
+from elastic_train.log import configure_logging_if_unconfigured, get_logger, register_secret
+from elastic_train.rendezvous.codec import ValueCodec
+from elastic_train.rendezvous.config import (
+    RendezvousConfig,
+    parse_config,
+)
+from elastic_train.rendezvous.rules import (
+    FastOpExecutor,
+    WatchedStateHolder,
+    keep_alive_while_awaited,
+    node_name,
+    record_event,
+    round_ended,
+)
+
+__all__ = [
+    "EtcdV3RendezvousBackend",
+    "EtcdV3RendezvousHandler",
+    "create_backend",
+    "create_handler",
+]
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+class EtcdV3RendezvousBackend(RendezvousBackend):
+    """Holds torch's rendezvous state in one etcd key; the fencing token is its mod_revision.
+
+    Heartbeats live beside it, one key per node (:meth:`beat`, :meth:`heartbeats`):
+    written into the one state key, K agents' heartbeats take most of the
+    compare-and-swaps a round needs, and at K = 64 the joins starved.
+
+    Args:
+        client: the etcd client.
+        name: the backend name torchrun was asked for (``etcd-v3`` or ``etcd``).
+        key: the etcd key of the state.
+        heartbeats: the prefix of the nodes' heartbeat keys.
+        ttl: seconds the keys outlive the last agent (a lease, renewed while one runs).
+        secret: the job secret that signs and verifies each value; ``None``: unsigned.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        *,
+        name: str,
+        key: str,
+        heartbeats: str,
+        ttl: int = 7200,
+        secret: bytes | None,
+    ) -> None:
+        self._client = client
+        self._name = name
+        self._key = key.encode()
+        self._beats_prefix = heartbeats.encode()
+        self._lease = LeaseKeeper(client, ttl)
+        # Agents write the state only during a rendezvous, so a job that runs
+        # for longer than ttl without one must still keep its state key.
+        self._lease.renew_in_background()
+        self._codec = ValueCodec(secret)
+        self._seen_revision = 0  # of the state last handed to the handler
+        # torch's handler polls get_state about once a second per agent; a watched
+        # copy answers those polls without a request while nothing changes.
+        self._state = WatchedKey(client, self._key)
+        close_with(self, self._state, self._lease)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def close(self) -> None:
+        """Stop watching the state key (reads still work, straight from etcd)."""
+        self._state.close()
+        self._lease.stop_renewing()
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        current = self._etcd(self._state.read)
+        if current is None:
+            self._seen_revision = 0
+            return None
+        self._seen_revision = current.mod_revision
+        return self._codec.decode(self._key, current.value), current.mod_revision
+
+    def wait_for_change(self, timeout: float) -> bool:
+        """Block until the state is newer than the one last returned, or ``timeout``."""
+        return self._state.wait_newer(self._seen_revision, timeout)
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        revision = 0 if token is None else _parse_token(token)
+        if revision is None:  # invalid: write nothing, report the current state
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        encoded = self._codec.encode(self._key, state)
+        written, current, new_revision = self._etcd(
+            lambda: self._lease.run(
+                lambda lease: self._client.put_if_revision(
+                    self._key, encoded, mod_revision=revision, lease=lease
+                )
+            )
+        )
+        if written:
+            self._state.offer(KeyValue(self._key, encoded, new_revision))
+            self._seen_revision = new_revision
+            return state, new_revision, True
+        if current is None:
+            self._seen_revision = 0
+            return None
+        self._state.offer(current)
+        self._seen_revision = current.mod_revision
+        return self._codec.decode(self._key, current.value), current.mod_revision, False
+
+    def _etcd(self, request: Callable[[], T]) -> T:
+        try:
+            return request()
+        except EtcdUnavailableError as exc:
+            raise RendezvousConnectionError(f"etcd is unreachable: {exc}") from exc
+        except EtcdError as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+
+    def beat(self, node: str, when: datetime) -> None:
+        """Record ``node``'s heartbeat at ``when``: one put of its own key, no state write."""
+        key = self._beat_key(node)
+        value = self._codec.encode(key, repr(when.timestamp()).encode())
+        self._etcd(lambda: self._lease.run(lambda lease: self._client.put(key, value, lease=lease)))
+
+    def forget(self, node: str) -> None:
+        """Delete ``node``'s heartbeat key (the node is leaving the job)."""
+        self._etcd(lambda: self._client.delete(self._beat_key(node)))
+
+    def _beat_key(self, node: str) -> bytes:
+        return self._beats_prefix + node.encode()
+
+    def heartbeats(self) -> dict[str, datetime]:
+        """Each node's last heartbeat; refused values (forged, corrupt) are left out."""
+        found, _ = self._etcd(lambda: self._client.get_prefix(self._beats_prefix))
+        beats: dict[str, datetime] = {}
+        for kv in found:
+            try:
+                seconds = float(self._codec.decode(kv.key, kv.value))
+            except (RendezvousStateError, ValueError, OverflowError):
+                continue  # the codec logged why; the node just looks older
+            beats[kv.key[len(self._beats_prefix) :].decode(errors="replace")] = (
+                datetime.fromtimestamp(seconds, timezone.utc)
+            )
+        return beats
+
+
+def _parse_token(token: Token) -> int | None:
+    if isinstance(token, bool):
+        return None
+    if isinstance(token, int):
+        return token if token > 0 else None
+    if isinstance(token, str | bytes) and token.isdigit() and int(token) > 0:
+        return int(token)
+    return None
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    """``(backend, store)`` for ``params``, like torch's ``etcd_rendezvous_backend.create_backend``.
+
+    Keys: ``{key_prefix}/{run_id}/state``, heartbeats under ``{key_prefix}/{run_id}/heartbeats/``
+    and the store under ``{key_prefix}/{run_id}/store/``.
+    See :func:`create_handler` for every rdzv-conf key.
+    """
+    return _create_backend(params, parse_config(params))
+
+
+def _create_backend(
+    params: RendezvousParameters, config: RendezvousConfig
+) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    if not params.run_id:
+        raise ValueError("run_id is empty; pass --rdzv-id")
+    client = EtcdClient(config.client)
+    run_prefix = f"{config.key_prefix}/{params.run_id}"
+    backend = EtcdV3RendezvousBackend(
+        client,
+        name=params.backend,
+        key=f"{run_prefix}/state",
+        heartbeats=f"{run_prefix}/heartbeats/",
+        ttl=config.ttl,
+        secret=config.secret,
+    )
+    store = EtcdV3Store(client, f"{run_prefix}/store", lease_ttl=config.ttl)
+    return backend, store
+
+
+class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
+    """torch's handler with the rules of :mod:`~elastic_train.rendezvous.rules`, made to ride
+    out etcd outages.
+
+    - A participant leaving a completed round ends it, so survivors of a failure
+      re-form at once; :meth:`num_nodes_waiting` reports the end of this node's
+      round, so that an agent whose workers still run restarts them too.
+    - Heartbeats while training runs only when a node waits: an idle agent
+      sends etcd nothing (see ``elastic_train.rendezvous.rules``, rule 2).
+    - A rendezvous retries connection failures until ``join_timeout``; an etcd
+      outage while training runs is logged and otherwise ignored, because the
+      agent polls :meth:`num_nodes_waiting` and would stop the job on an error.
+    """
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        store: Store,
+        *,
+        backend: EtcdV3RendezvousBackend,
+    ) -> None:
+        state_holder = WatchedStateHolder(backend, settings, heartbeats=backend)
+        super().__init__(node, settings, backend.name, store, state_holder)
+        self._op_executor = FastOpExecutor(node, state_holder, settings, changes=backend)
+        self._etcd_backend = backend
+        self._joined_round: int | None = None
+        self._reported_end: int | None = None
+
+    def _record(
+        self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None
+    ) -> None:
+        record_event(
+            self,
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+            node=self._this_node,
+            rank=rank,
+        )
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._joined_round = None
+        join_s = self.settings.timeout.join.total_seconds()
+        deadline = time.monotonic() + join_s
+        while True:
+            try:
+                info = super().next_rendezvous()
+                self._joined_round = self._state_holder.state.round
+                return info
+            except (RendezvousConnectionError, EtcdUnavailableError) as exc:
+                if not _is_outage(exc):
+                    raise  # bad credentials or permissions: retrying cannot help
+                if time.monotonic() >= deadline:
+                    raise RendezvousConnectionError(
+                        f"rendezvous '{self.settings.run_id}' failed: etcd unreachable for "
+                        f"join_timeout={join_s:g}s: {exc}"
+                    ) from exc
+                log.warning("rendezvous_etcd_retry", run_id=self.settings.run_id, error=str(exc))
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _keep_alive(self) -> None:
+        """torch's heartbeat timer calls this every ``keep_alive_interval``; rule 2 decides."""
+        with self._heartbeat_lock:
+            deadline = self._get_deadline(self._settings.timeout.heartbeat)
+            try:
+                self._op_executor.run(keep_alive_while_awaited, deadline)
+            except RendezvousError as exc:
+                log.warning("rendezvous_heartbeat_failed", error=str(exc))
+
+    def shutdown(self) -> bool:
+        try:
+            return super().shutdown()
+        finally:
+            # Otherwise the key stays until the run's lease expires, read by every prune.
+            with contextlib.suppress(RendezvousConnectionError):
+                self._etcd_backend.forget(node_name(self._this_node))
+            self._etcd_backend.close()
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join; at least 1 once this node's round has ended elsewhere."""
+        try:
+            with self._heartbeat_lock:
+                self._state_holder.sync()
+        except RendezvousConnectionError as exc:
+            log.warning("rendezvous_etcd_unreachable", run_id=self.settings.run_id, error=str(exc))
+            return 0
+        state = self._state_holder.state
+        if not round_ended(state, self._this_node, self._joined_round):
+            return len(state.wait_list)
+        if self._reported_end != self._joined_round:
+            self._reported_end = self._joined_round
+            log.info("rendezvous_round_ended_elsewhere", round=self._joined_round)
+        return max(1, len(state.wait_list))
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` (the backend's or the store's) means "no etcd member answered"."""
+    return isinstance(exc, EtcdUnavailableError) or isinstance(exc.__cause__, EtcdUnavailableError)
+
+
+def create_handler(
+    params: RendezvousParameters, *, extra_keys: frozenset[str] = frozenset()
+) -> EtcdV3RendezvousHandler:
+    """The torchrun handler creator for ``etcd-v3`` and ``etcd``.
+
+    ``--rdzv-endpoint`` takes ``host[:port][,host[:port]...]``: the members of one
+    etcd cluster, tried in turn. ``--rdzv-conf`` keys (torch's defaults in brackets):
+
+    ======================  ==========  ==================================================
+    key                     default     why
+    ======================  ==========  ==================================================
+    protocol                http        ``https`` for TLS; cacert/cert/key as torch's etcd
+    cacert, cert, key       none        CA bundle, client certificate and its key (files)
+    username, password      env         default ``ETCD_USERNAME``/``ETCD_PASSWORD``
+    dial_timeout            5 s         bound on reaching some member: nothing hangs
+    read_timeout            5 s         per request: a hung member costs this, then failover
+    key_prefix              /elastic_   keys go under ``{key_prefix}/{run_id}/``; grant the
+                            train       etcd role readwrite on this prefix
+    ttl                     7200 s      lease of every key, renewed on write: abandoned
+                                        runs clean themselves up
+    secret_file             env         HMAC key file; default ``ELASTIC_TRAIN_RDZV_SECRET``
+    join_timeout            600 s       also how long a rendezvous rides out an etcd outage
+    last_call_timeout       1 s [30]    survivors of a failure leave their round within
+                                        ~0.3 s of each other; 1 s gathers them in one
+                                        round (a fraction of a second is accepted)
+    keep_alive_interval     1 s [5]     heartbeat period while a rendezvous runs: a node
+    keep_alive_max_attempt  3 [3]       that dies mid-rendezvous is pruned after 3 s.
+                                        No heartbeats while training runs (see below)
+    close_timeout           30 s        torch's default
+    heartbeat_timeout       5 s         torch's default
+    ======================  ==========  ==================================================
+
+    With these, losing one node of three recovers in a few seconds instead of
+    about 46 s: a participant that leaves a completed round ends it, so nobody
+    waits for the dead node's heartbeat to expire (:mod:`elastic_train.rendezvous.rules`).
+    While training runs an agent sends etcd almost nothing: no heartbeats, reads
+    from a watched copy of the state, and one lease renewal per ``ttl / 4``.
+
+    The creator also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the
+    environment sets it: with torch's shared TCPStore a node joining a running
+    job hangs, because rank 0 does not republish ``MASTER_ADDR``/``MASTER_PORT``
+    into the new round's store.
+    """
+    configure_logging_if_unconfigured()  # the agent's own events: JSON, secrets redacted
+    register_secret(params.config.get("password"))
+    config = parse_config(params, extra_keys=extra_keys)
+    backend, store = _create_backend(params, config)
+    settings = config.handler
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=settings.join_timeout),
+        last_call=timedelta(seconds=settings.last_call_timeout),
+        close=timedelta(seconds=settings.close_timeout),
+        heartbeat=timedelta(seconds=settings.heartbeat_timeout),
+    )
+    handler = EtcdV3RendezvousHandler(
+        DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr),
+        RendezvousSettings(
+            params.run_id,
+            params.min_nodes,
+            params.max_nodes,
+            timeout,
+            keep_alive_interval=timedelta(seconds=settings.keep_alive_interval),
+            keep_alive_max_attempt=settings.keep_alive_max_attempt,
+        ),
+        store,
+        backend=backend,
+    )
+    if os.environ.setdefault(_SHARE_STORE_ENV, "1") == "1":
+        log.info("rendezvous_tcp_store_sharing_off", reason="lets nodes join a running job")
+    return handler

@@ -1,0 +1,339 @@
+"""Per-step snapshots of the training state in node-local shared memory.
+
+In DDP every rank holds the full model and optimizer, so after a failure the
+survivors' state is newer than any disk checkpoint; it is lost only because
+torchrun restarts their processes. One worker per node therefore copies the
+state after each optimizer step into ``/dev/shm``, outside the process, and the
+restarted group resumes from the newest copy any node holds.
+
+Layout of the per-run directory (mode 0700)::
+
+    /dev/shm/elastic_train-<uid>-<run_id>/
+        slot-0, slot-1   double buffer, preallocated and memory-mapped
+        HEAD             {"slot": 0|1, "step": N}, one fixed-width pwrite (see _flip_head)
+
+A save erases the header of the slot HEAD does *not* name, copies the tensor
+bytes and the JSON of everything else (``snapshot_layout``), computes a
+checksum, writes the header (magic, step, sizes, checksum, fingerprint) and
+only then flips HEAD. A process killed at any point leaves HEAD naming a
+complete slot; a slot without a header or whose checksum fails is never used.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import re
+import shutil
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_train.errors import CheckpointError, SnapshotError
+from elastic_train.log import get_logger
+from elastic_train.state.snapshot_layout import (
+    HEADER_BYTES,
+    MAGIC,
+    SlotEncoder,
+    SlotMapping,
+    decode,
+    parse_header,
+    slot_end,
+    sum64,
+)
+
+__all__ = [
+    "SnapshotStats",
+    "SnapshotStore",
+]
+
+log = get_logger(__name__)
+
+_ZEROS = bytes(HEADER_BYTES)
+_GRANULE = 1 << 16  # slot files grow in 64 KiB steps
+_RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+@dataclass
+class SnapshotStats:
+    """One snapshot, measured by the store: everything save() held the caller for."""
+
+    step: int
+    seconds: float
+    bytes: int
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+class SnapshotStore:
+    """A double-buffered snapshot of one run's state in shared memory."""
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        fingerprint: str,
+        root: str | Path = "/dev/shm",
+        max_bytes: int | None = None,
+        is_writer: bool = True,
+    ) -> None:
+        if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+            raise SnapshotError(
+                f"run_id must be 1-128 characters of [A-Za-z0-9_.-], got {run_id!r}"
+            )
+        self.directory = Path(root) / f"elastic_train-{os.getuid()}-{run_id}"
+        self.fingerprint = fingerprint
+        self.max_bytes = max_bytes
+        self.is_writer = is_writer
+        self.last_stats: SnapshotStats | None = None
+        self._maps: dict[int, SlotMapping] = {}
+        self._head: tuple[int, int] | None = None  # (slot, step) this writer last flipped to
+        self._lock_fd: int | None = None
+        self._head_fd: int | None = None
+        self._encoder = SlotEncoder(fingerprint)
+        if is_writer:
+            self._make_private_directory()
+
+    def _make_private_directory(self) -> None:
+        try:
+            self.directory.mkdir(mode=0o700, exist_ok=True)
+            info = self.directory.lstat()
+        except OSError as exc:
+            raise SnapshotError(
+                f"cannot create snapshot directory {self.directory}: {exc}"
+            ) from exc
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise SnapshotError(f"{self.directory} exists but is not a directory owned by us")
+        # mkdir's mode is filtered by the umask and ignored for an existing directory.
+        os.chmod(self.directory, 0o700)
+        # Two writers would flip one HEAD between their slots. The lock dies
+        # with its process, so a restarted worker takes it over at once.
+        self._lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._lock_fd)
+            raise SnapshotError(
+                f"another process writes snapshots to {self.directory}; nodes that share "
+                "/dev/shm need distinct run_ids (e.g. f'{run_id}.{node}')"
+            ) from exc
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, state: dict) -> None:
+        """Snapshot ``state`` as ``step`` and publish it; synchronous, one copy of
+        the tensor bytes. Raises ``SnapshotError`` when it does not fit or the
+        write fails; the previous snapshot stays valid, and the trainer should
+        stop snapshotting and rely on disk checkpoints. Non-writers return at once.
+        """
+        if not self.is_writer:
+            return
+        start = time.perf_counter()
+        slot, end = self._write_slot(step, state)
+        try:
+            self._flip_head(slot, step)
+        except OSError as exc:
+            raise SnapshotError(
+                f"publishing the snapshot of step {step} in {self.directory} failed: {exc}; "
+                "the previous snapshot is intact"
+            ) from exc
+        self.last_stats = SnapshotStats(step, time.perf_counter() - start, end)
+
+    def _write_slot(self, step: int, state: dict) -> tuple[int, int]:
+        """Write a complete slot that HEAD does not name yet; its index and end."""
+        encoded = self._encoder.encode(state)
+        if self._head is None:
+            self._head = self._read_head()
+        current = self._head
+        slot = 1 - current[0] if current else 0
+        blob_start = HEADER_BYTES + encoded.data_bytes
+        end = slot_end(encoded.data_bytes, len(encoded.blob))
+        try:
+            mapping = self._slot_for_write(slot, end, active=current[0] if current else None)
+            with torch.no_grad():
+                # One call for all tensors: a Python loop of copy_ cost as much as the bytes.
+                torch._foreach_copy_(mapping.targets_for(encoded.table), encoded.tensors)
+            mapping.mm[blob_start:end] = encoded.blob.ljust(end - blob_start, b"\0")
+            digest = sum64(mapping.region[HEADER_BYTES:end])
+            mapping.mm[:HEADER_BYTES] = self._encoder.header(step, encoded, digest)
+        except OSError as exc:
+            log.error("snapshot_write_failed", step=step, error=str(exc), errno=exc.errno)
+            raise SnapshotError(
+                f"writing the snapshot of step {step} to {self.directory} failed: {exc}; "
+                "the previous snapshot is intact"
+            ) from exc
+        return slot, end
+
+    def _check_fits(self, size: int, *, active: int | None) -> None:
+        active_size = _file_size(self._slot_path(active)) if active is not None else 0
+        reusable = _file_size(self._slot_path(1 - active if active is not None else 0))
+        vfs = os.statvfs(self.directory)
+        available = vfs.f_bavail * vfs.f_frsize + reusable
+        if self.max_bytes is not None:
+            available = min(available, self.max_bytes - active_size)
+        if size > available:
+            limit = f", max_bytes={self.max_bytes}" if self.max_bytes is not None else ""
+            raise SnapshotError(
+                f"a snapshot needs {size / 2**20:.1f} MiB but only {available / 2**20:.1f} MiB "
+                f"is available under {self.directory} (free space of {self.directory.parent}"
+                f"{limit}); snapshots need room for two copies of the state: enlarge "
+                "/dev/shm (Kubernetes: an emptyDir with medium: Memory) or turn snapshots off"
+            )
+
+    def _slot_for_write(self, slot: int, needed: int, *, active: int | None) -> SlotMapping:
+        """The slot's mapping with its header erased (from here on the slot is invalid)."""
+        cached = self._maps.get(slot)
+        if cached is not None and len(cached.mm) >= needed:
+            # The steady state: pages already allocated, nothing to ask the kernel.
+            cached.mm[:HEADER_BYTES] = _ZEROS
+            return cached
+        # Slack for a skeleton that grows a little (longer numbers) from step to step.
+        size = -(-(needed + needed // 16) // _GRANULE) * _GRANULE
+        self._check_fits(size, active=active)
+        return self._map_slot(slot, size)
+
+    def _map_slot(self, slot: int, size: int) -> SlotMapping:
+        """A fresh mapping of the slot, header erased first, every page allocated."""
+        fd = os.open(self._slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if _file_size(self._slot_path(slot)) >= HEADER_BYTES:
+                os.pwrite(fd, _ZEROS, 0)
+            self._unmap(slot)
+            os.ftruncate(fd, size)
+            # Allocate every page now: touching an unallocated tmpfs page when
+            # /dev/shm is full is a SIGBUS, fallocate is a clean ENOSPC.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
+            self._maps[slot] = SlotMapping(mm, torch.frombuffer(mm, dtype=torch.uint8))
+            return self._maps[slot]
+        finally:
+            os.close(fd)
+
+    def _unmap(self, slot: int) -> None:
+        mapping = self._maps.pop(slot, None)
+        if mapping is not None:
+            mm = mapping.mm
+            del mapping  # the tensor view must go before the mapping can close
+            mm.close()
+
+    def _flip_head(self, slot: int, step: int) -> None:
+        # A fixed-width record written over the previous one: one syscall where
+        # a rename costs four, and a kill cannot tear a write this small (it
+        # completes inside the syscall). Readers never race the writer: they
+        # read at a (re)start, before the new writer's first save.
+        if self._head_fd is None:
+            self._head_fd = os.open(self.directory / "HEAD", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.pwrite(self._head_fd, f'{{"slot": {slot}, "step": {step:20d}}}\n'.encode(), 0)
+        self._head = (slot, step)
+
+    # ----------------------------------------------------------------- loading
+
+    def _slot_path(self, slot: int) -> Path:
+        return self.directory / f"slot-{slot}"
+
+    def _read_head(self) -> tuple[int, int] | None:
+        try:
+            head = json.loads((self.directory / "HEAD").read_text())
+            slot, step = head["slot"], head["step"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("snapshot_head_unreadable", path=str(self.directory), error=str(exc))
+            return None
+        return (slot, step) if slot in (0, 1) and isinstance(step, int) else None
+
+    def _read_slot(self, slot: int) -> tuple[dict[str, Any], bytearray]:
+        """(header, bytes) of a complete slot whose checksum verifies."""
+        path = self._slot_path(slot)
+        try:
+            raw = bytearray(path.read_bytes())
+        except OSError as exc:
+            raise SnapshotError(f"{path}: unreadable ({exc})") from exc
+        if raw[: len(MAGIC)] != MAGIC:
+            if raw[: len(MAGIC) - 2] == MAGIC[:-2]:  # ETSNAP<version>\n
+                found = bytes(raw[: len(MAGIC)]).decode(errors="replace").strip()
+                raise SnapshotError(
+                    f"{path}: format {found}, this version reads {MAGIC.decode().strip()}"
+                )
+            raise SnapshotError(f"{path}: no header (torn or never completed)")
+        try:
+            header, end, digest = parse_header(raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SnapshotError(f"{path}: unreadable header ({exc})") from exc
+        region = torch.frombuffer(raw, dtype=torch.uint8)[HEADER_BYTES:end]
+        if len(raw) < end or sum64(region) != digest:
+            raise SnapshotError(f"{path}: data does not match its header (torn write)")
+        if header.get("fingerprint") != self.fingerprint:
+            raise SnapshotError(
+                f"{path}: written under config fingerprint {header.get('fingerprint')!r}, "
+                f"this run's is {self.fingerprint!r}"
+            )
+        return header, raw
+
+    def _newest_valid(self) -> tuple[dict[str, Any], bytearray] | None:
+        head = self._read_head()
+        if head is None:
+            return None
+        # HEAD names the current slot. The other is used only if the current
+        # one is damaged, and only if it is older: a newer one was written but
+        # its save died before publishing it, so no one vouched for it.
+        try:
+            return self._read_slot(head[0])
+        except SnapshotError as exc:
+            log.warning("snapshot_slot_invalid", slot=head[0], reason=str(exc))
+        try:
+            header, raw = self._read_slot(1 - head[0])
+        except SnapshotError as exc:
+            log.warning("snapshot_slot_invalid", slot=1 - head[0], reason=str(exc))
+            return None
+        if header["step"] >= head[1]:
+            log.warning("snapshot_slot_uncommitted", slot=1 - head[0], step=header["step"])
+            return None
+        return header, raw
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete, checksum-verified snapshot on this node."""
+        found = self._newest_valid()
+        return found[0]["step"] if found else None
+
+    def load(self, *, map_location: str | torch.device) -> tuple[int, dict] | None:
+        """``(step, state)`` of the newest valid snapshot here, or None; never a torn one."""
+        found = self._newest_valid()
+        if found is None:
+            return None
+        header, raw = found
+        step = header["step"]
+        try:
+            state = decode(raw, header, map_location=map_location)
+        except (CheckpointError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+            raise SnapshotError(f"snapshot of step {step} is unreadable: {exc}") from exc
+        log.info("snapshot_loaded", step=step, path=str(self.directory))
+        return step, state
+
+    def remove(self) -> None:
+        """Delete this run's snapshots (at run completion)."""
+        self.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        log.info("snapshot_removed", path=str(self.directory))
+
+    def close(self) -> None:
+        """Release the mappings and the writer lock; the snapshot stays for the next restart."""
+        for slot in list(self._maps):
+            self._unmap(slot)
+        if self._head_fd is not None:
+            os.close(self._head_fd)
+            self._head_fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None

@@ -1,0 +1,101 @@
+"""The composition root: what torchrun's ``torchrun.handlers`` entry points name.
+
+torchrun asks for a handler creator per backend name (``etcd-v3``, and
+``etcd``, which we take over). :func:`create_handler` builds the pieces and
+joins them; nothing below this module knows the others:
+
+- the rendezvous handler from :mod:`elastic_train.rendezvous` (on
+  :mod:`elastic_train.etcd`), told which extra rdzv-conf keys to accept;
+- the node agent from :mod:`elastic_train.agent`, which parses its own keys
+  and wraps the handler.
+
+Heavy imports happen inside the functions: torch loads these entry points
+while its rendezvous package is still importing, so this module must load
+without importing torch's rendezvous modules or ours.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+    from elastic_train.agent.node_agent import AgentSettings
+    from elastic_train.rendezvous.config import RendezvousConfig
+
+__all__ = [
+    "NO_TAKEOVER_ENV",
+    "check_rdzv_conf",
+    "create_handler",
+    "etcd_takeover_entry_point",
+    "etcd_v3_handler_entry_point",
+]
+
+NO_TAKEOVER_ENV = "ELASTIC_TRAIN_NO_ETCD_TAKEOVER"
+
+HandlerCreator = Callable[["RendezvousParameters"], "RendezvousHandler"]
+
+
+def check_rdzv_conf(params: RendezvousParameters) -> tuple[RendezvousConfig, AgentSettings]:
+    """Validate every ``--rdzv-conf`` key, the rendezvous' and the node agent's.
+
+    A bad key or value raises ``ValueError`` (the rendezvous') or
+    :class:`~elastic_train.errors.ConfigError` (the agent's), naming it and
+    what is accepted.
+    """
+    from elastic_train.agent.node_agent import RDZV_CONF_KEYS, AgentSettings
+    from elastic_train.rendezvous.config import parse_config
+
+    return parse_config(params, extra_keys=RDZV_CONF_KEYS), AgentSettings.from_params(params)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler creator for ``etcd-v3`` and ``etcd``: the etcd v3 handler inside a node agent.
+
+    Every key is checked before anything starts. The rdzv-conf keys are
+    listed in :func:`elastic_train.rendezvous.backend.create_handler` and
+    :mod:`elastic_train.agent.node_agent`.
+    """
+    from elastic_train.agent.node_agent import RDZV_CONF_KEYS, AgentSettings, NodeAgent
+    from elastic_train.log import get_logger
+    from elastic_train.rendezvous import backend
+
+    settings = AgentSettings.from_params(params)
+    handler = backend.create_handler(params, extra_keys=RDZV_CONF_KEYS)
+    agent = NodeAgent(settings, run_id=params.run_id, argv=sys.argv)
+    agent.start(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
+    if params.backend == "etcd":
+        get_logger(__name__).info(
+            "etcd_backend_takeover",
+            message="rendezvous backend 'etcd' is served by elastic_train's etcd v3 backend "
+            f"(set {NO_TAKEOVER_ENV}=1 for torch's v2-API backend)",
+        )
+    return agent.attach(handler)
+
+
+def etcd_v3_handler_entry_point() -> HandlerCreator:
+    """``torchrun.handlers`` entry point ``etcd-v3``."""
+    return create_handler
+
+
+def etcd_takeover_entry_point() -> HandlerCreator:
+    """``torchrun.handlers`` entry point ``etcd``: serve torchrun's default backend name.
+
+    torch registers its v2-API ``etcd`` creator first and refuses a different
+    creator under that name, so this replaces the registry entry itself and
+    returns the same creator (torchrun's ``register`` call is then a no-op).
+    ``ELASTIC_TRAIN_NO_ETCD_TAKEOVER=1`` keeps torch's backend.
+    ``tests/test_rendezvous_backend.py`` fails if a torch upgrade breaks this.
+    """
+    # Loaded while torch's rendezvous package imports; its api module is already there.
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
+    registry: dict[str, HandlerCreator] = rendezvous_handler_registry._registry
+    if os.environ.get(NO_TAKEOVER_ENV) == "1":
+        return registry["etcd"]
+    registry["etcd"] = create_handler
+    return create_handler

@@ -1,0 +1,396 @@
+"""Build the trainer from a config, then run the loop.
+
+:func:`build` does all the setup (data, model, optimizer, schedule, sampler,
+checkpoints, restore, DDP); :func:`train` is the loop and reads top to bottom;
+one step of it is :func:`elastic_train.training.step.run_step`.
+
+World-size invariance: every step takes the next ``global_batch_size``
+samples of the epoch's permutation, whatever the world size. Each rank sums the
+per-sample losses of its shard and scales the sum by ``world_size / B`` (B: the
+samples in this global batch, short at the end of an epoch). DDP averages the
+gradients over ranks, i.e. divides their sum by ``world_size``, so the gradient
+every rank applies is ``sum of all per-sample gradients / B``: the mean over
+the global batch, the same as one worker computes, up to summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+
+from elastic_train.audit import AuditWriter, write_result
+from elastic_train.config.job import JobConfig
+from elastic_train.config.job import fingerprint as config_fingerprint
+from elastic_train.errors import CheckpointWriteError
+from elastic_train.log import get_logger
+from elastic_train.metrics import WorkerMetrics
+from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.training.comm_hooks import CommHook
+from elastic_train.training.distributed import DistContext, broadcast_attempt_id
+from elastic_train.training.evaluate import evaluate
+from elastic_train.training.guards import LoopGuards, build_eval_set
+from elastic_train.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    global_batch_size,
+    total_steps,
+)
+from elastic_train.training.precision import Precision
+from elastic_train.training.rng import capture_rng_state, restore_rng_state
+from elastic_train.training.sampler import ElasticSampler
+from elastic_train.training.state_sync import NodeSnapshots, open_snapshots, restore_state
+from elastic_train.training.step import run_step
+from elastic_train.workload.datasets import DataBundle, load_batch
+from elastic_train.workload.registry import DATASETS, LOSSES, MODELS
+
+log = get_logger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: In the checkpoint directory: the last completed step (see ProgressMarker).
+PROGRESS_FILE = "progress.json"
+#: Evaluation chunk for the final loss: fixed, so the number is the same in every run.
+_EVAL_CHUNK = 64
+
+
+@dataclass
+class Trainer:
+    """Everything the loop touches. ``model`` is the unwrapped module that checkpoints see."""
+
+    cfg: JobConfig
+    ctx: DistContext
+    data: DataBundle
+    model: nn.Module
+    loss_fn: LossFn
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    sampler: ElasticSampler
+    checkpoint: CheckpointManager | None
+    audit: AuditWriter | None
+    attempt: str
+    total_steps: int
+    precision: Precision
+    comm_hook: CommHook
+    guards: LoopGuards
+    progress: ProgressMarker
+    eval_set: Any
+    step: int = 0
+    last_saved_step: int = 0
+    last_logged_step: int = 0
+    last_save_time: float = field(default_factory=time.monotonic)
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics.from_env)
+    snapshots: NodeSnapshots | None = None
+    #: Set by build() after the restore.
+    ddp: DistributedDataParallel = field(init=False)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    final_step: int
+    epoch: int
+    final_loss: float | None  # measured on rank 0 only
+    stopped: str | None = None  # a StopReason when preempted before the end
+
+
+# -- setup ----------------------------------------------------------------------
+
+
+def wrap_model(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
+    """The DDP wrapper; the place to register communication hooks."""
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
+    """Set up every part of the trainer and restore the latest checkpoint."""
+    data = DATASETS.resolve(cfg.data.name)(cfg.data)
+    batch = global_batch_size(cfg.training, ctx.world_size)
+    torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank
+    random.seed(cfg.training.seed)
+    model = MODELS.resolve(cfg.model.name)(cfg.model, data.info).to(ctx.device)
+    optimizer = build_optimizer(cfg.optimizer, model)
+    steps = total_steps(cfg.training, dataset_len=len(data), batch_size=batch)
+    checkpoint = None
+    if cfg.checkpoint.dir:
+        checkpoint = CheckpointManager(
+            cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=config_fingerprint(cfg),
+            async_save=cfg.checkpoint.async_save, is_writer=ctx.is_main,
+        )  # fmt: skip
+    attempt = broadcast_attempt_id(ctx)
+    audit = None
+    if cfg.logging.audit_dir:
+        audit = AuditWriter(
+            cfg.logging.audit_dir, attempt=attempt, rank=ctx.rank,
+            world_size=ctx.world_size, node=ctx.env.node,
+        )  # fmt: skip
+    trainer = Trainer(
+        cfg=cfg, ctx=ctx, data=data, model=model,
+        loss_fn=LOSSES.resolve(cfg.model.loss), optimizer=optimizer,
+        scheduler=build_scheduler(cfg, optimizer, total=steps, world_size=ctx.world_size),
+        sampler=ElasticSampler(len(data), global_batch_size=batch, seed=cfg.training.seed),
+        checkpoint=checkpoint, audit=audit, attempt=attempt, total_steps=steps,
+        precision=Precision(cfg.training.precision, device=ctx.device),
+        comm_hook=CommHook(
+            cfg.training.comm_hook, powersgd_rank=cfg.training.powersgd_rank,
+            powersgd_start_iter=cfg.training.powersgd_start_iter,
+        ),
+        guards=LoopGuards(cfg, device=ctx.device), eval_set=build_eval_set(cfg, data),
+        progress=ProgressMarker(cfg.checkpoint.dir, writer=ctx.is_main),
+        snapshots=open_snapshots(cfg.elastic, ctx.env, fingerprint=config_fingerprint(cfg)),
+    )  # fmt: skip
+    restore(trainer)
+    # Wrapped after the restore: DDP's constructor broadcasts rank 0's weights.
+    trainer.ddp = trainer.comm_hook.register(wrap_model(model, ctx))
+    return trainer
+
+
+# -- state ----------------------------------------------------------------------
+
+
+class ProgressMarker:
+    """The last completed step, which rank 0 overwrites in place after every step.
+
+    A restart counts the steps it lost (work redone) as this minus the step of
+    the checkpoint it restores. One fixed-width ``pwrite`` per step: a rename
+    or fsync per step would cost milliseconds on network storage.
+    """
+
+    def __init__(self, directory: str, *, writer: bool) -> None:
+        self.path = Path(directory) / PROGRESS_FILE if directory else None
+        self.writer = writer and self.path is not None
+        self._fd = -1
+
+    def read(self) -> int:
+        try:
+            return int(json.loads(self.path.read_text())["step"]) if self.path else 0
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+
+    def record(self, step: int) -> None:
+        if not self.writer:
+            return
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)  # type: ignore[arg-type]
+        # Fixed width, so each write covers the previous one; still valid JSON.
+        os.pwrite(self._fd, f'{{"step": {step:20d}}}\n'.encode(), 0)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def state_dict(t: Trainer) -> dict[str, Any]:
+    """Everything a resume at any world size needs; plain types only (weights_only)."""
+    return {
+        "model": t.model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "sampler": t.sampler.state_dict(),
+        "step": t.step,
+        "epoch": t.sampler.epoch,
+        "rng": capture_rng_state(),
+        "precision": t.precision.state_dict(),
+        "comm_hook": t.comm_hook.state_dict(),
+    }
+
+
+def load_state_dict(t: Trainer, state: dict[str, Any]) -> None:
+    t.model.load_state_dict(state["model"])
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    t.sampler.load_state_dict(state["sampler"])
+    t.step = int(state["step"])
+    restore_rng_state(state["rng"])
+    t.precision.load_state_dict(state.get("precision", {}))
+    t.comm_hook.load_state_dict(state.get("comm_hook", {}))
+    # The optimizer came back with the LR of the old world size (per_worker mode).
+    for group, lr_lambda, base in zip(
+        t.optimizer.param_groups, t.scheduler.lr_lambdas, t.scheduler.base_lrs, strict=True
+    ):
+        group["lr"] = base * lr_lambda(t.scheduler.last_epoch)
+
+
+def restore(t: Trainer) -> None:
+    """Load the newest state of any node's snapshot or the disk; record the (re)start."""
+    restored = restore_state(t.snapshots, t.checkpoint, device=t.ctx.device)
+    saved_world_size = None
+    if restored.state is not None:
+        load_state_dict(t, restored.state)
+    if restored.source == "disk":
+        saved_world_size = (t.checkpoint.loaded_metadata or {}).get("world_size")  # type: ignore[union-attr]
+    t.last_saved_step = t.step
+    if restored.source == "snapshot" and t.checkpoint is not None and t.checkpoint.is_writer:
+        # The step is only in /dev/shm (a node left without a disk save, or a
+        # failure came between disk saves): the first save of the loop writes it.
+        t.last_saved_step = -1 if (t.checkpoint.latest_step() or -1) < t.step else t.step
+    lost_steps = max(0, t.progress.read() - t.step)
+    t.metrics.resumed(restored_step=t.step, lost_steps=lost_steps)
+    log.info(
+        "resumed", restored_step=t.step, source=restored.source,
+        lost_steps=lost_steps, world_size=t.ctx.world_size,
+        saved_world_size=saved_world_size, epoch=t.sampler.epoch,
+        samples_consumed=t.sampler.samples_consumed, attempt=t.attempt,
+    )  # fmt: skip
+    if t.audit is not None:
+        t.audit.resume(restored_step=t.step, source=restored.source)
+
+
+def save_checkpoint(t: Trainer, *, reason: str, blocking: bool = False) -> None:
+    """Checkpoint the current step (rank 0 writes); a no-op if it is already saved."""
+    if t.checkpoint is None or t.step == t.last_saved_step:
+        return
+    if t.checkpoint.is_writer:
+        try:
+            with t.guards.long_operation("checkpoint") if blocking else contextlib.nullcontext():
+                t.checkpoint.save(t.step, state_dict(t), blocking=blocking)
+        except CheckpointWriteError:
+            pass  # logged and counted by the manager; the previous checkpoint is intact
+        log.debug("checkpoint_requested", step=t.step, reason=reason)
+        t.checkpoint.raise_if_failing(t.cfg.checkpoint.max_consecutive_failures)
+    t.last_saved_step = t.step
+    t.last_save_time = time.monotonic()
+
+
+def snapshot_kept_by_a_staying_node(t: Trainer) -> bool:
+    """At a preemption stop: whether a node that was not signalled now holds a
+    snapshot of this step (a collective). Then the preempted node leaves
+    without a disk save: the group resumes from that snapshot and writes the
+    step to disk right after (:func:`restore`). Only when every node is going
+    (the last node, or the whole job) does the stop wait for a disk save.
+
+    A node signalled just after this check loses its snapshot with it; if
+    all the others go the same way before the next disk save, the job
+    resumes from the last checkpoint on disk (docs/checkpoints-and-snapshots.md).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    kept = 0
+    if t.snapshots is not None and t.guards.preemption.received is None:
+        kept = int(t.snapshots.keep(t.step, lambda: state_dict(t), reason="preemption"))
+    total = torch.tensor([kept], device=t.ctx.device)
+    dist.all_reduce(total)
+    return int(total.item()) > 0
+
+
+def checkpoint_due(t: Trainer) -> bool:
+    cfg = t.cfg.checkpoint
+    by_steps = cfg.interval_steps > 0 and t.step % cfg.interval_steps == 0
+    elapsed = time.monotonic() - t.last_save_time
+    return by_steps or (cfg.interval_seconds > 0 and elapsed >= cfg.interval_seconds)
+
+
+def finished(t: Trainer) -> bool:
+    if t.cfg.training.steps > 0:
+        return t.step >= t.cfg.training.steps
+    return t.sampler.epoch >= t.cfg.training.epochs
+
+
+def train(t: Trainer) -> TrainResult:
+    """Run steps until the configured steps or epochs are done; checkpoint on the way."""
+    log.info(
+        "training_started", step=t.step, total_steps=t.total_steps,
+        global_batch_size=t.sampler.global_batch_size, world_size=t.ctx.world_size,
+    )  # fmt: skip
+    t.ddp.train()
+    t.guards.install()
+    save_checkpoint(t, reason="restored_from_snapshot")  # a no-op unless restore() asked
+    while not finished(t):
+        outcome = run_step(t, state=lambda: state_dict(t))
+        if outcome.epoch_ended:
+            save_checkpoint(t, reason="epoch_end")
+        elif checkpoint_due(t):
+            save_checkpoint(t, reason="interval")
+        if t.cfg.eval.every_steps and t.step % t.cfg.eval.every_steps == 0:
+            run_evaluation(t, reason="interval")
+        stopped = t.guards.after_step(t.step, signalled=outcome.signalled)
+        if stopped is not None:
+            if not snapshot_kept_by_a_staying_node(t):
+                save_checkpoint(t, reason=stopped.value, blocking=True)
+            if t.checkpoint is not None:
+                t.checkpoint.flush()  # the step may have been saved asynchronously just now
+            stopped = t.guards.settle(stopped)
+            return TrainResult(t.step, t.sampler.epoch, None, stopped=stopped.value)
+    save_checkpoint(t, reason="final", blocking=True)
+    if t.cfg.eval.at_end:
+        run_evaluation(t, reason="end")
+    with t.guards.long_operation("finish"):
+        return finish(t)
+
+
+def run_evaluation(t: Trainer, *, reason: str) -> None:
+    """Evaluate every sample of the evaluation set once across the ranks (a collective)."""
+    with t.guards.long_operation("evaluation"):
+        result = evaluate(
+            t.model, t.eval_set, loss_fn=t.loss_fn, batch_size=t.cfg.eval.batch_size,
+            rank=t.ctx.rank, world_size=t.ctx.world_size, device=t.ctx.device,
+            autocast=t.precision.autocast,
+        )  # fmt: skip
+    t.metrics.evaluated(metrics={"loss": result.loss, "accuracy": result.accuracy})
+    log.info("evaluation", step=t.step, reason=reason, **result.as_dict())
+
+
+def final_loss(t: Trainer) -> float:
+    """Mean loss of the unwrapped model over the first samples; the same in every run."""
+    count = min(t.cfg.training.final_loss_samples, len(t.data))
+    t.model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, count, _EVAL_CHUNK):
+            indices = list(range(start, min(start + _EVAL_CHUNK, count)))
+            inputs, targets = (x.to(t.ctx.device) for x in load_batch(t.data.dataset, indices))
+            total += t.loss_fn(t.model(inputs).float(), targets).sum().item()
+    t.model.train()
+    return total / count
+
+
+def finish(t: Trainer) -> TrainResult:
+    """Rank 0 measures the final loss and writes the result files the runner reads."""
+    if not t.ctx.is_main:
+        return TrainResult(final_step=t.step, epoch=t.sampler.epoch, final_loss=None)
+    loss = final_loss(t)
+    result = TrainResult(final_step=t.step, epoch=t.sampler.epoch, final_loss=loss)
+    log.info("training_finished", final_step=t.step, final_loss=round(loss, 6))
+    if t.cfg.logging.audit_dir:
+        summary = {
+            "final_step": t.step, "final_loss": loss, "epoch": t.sampler.epoch,
+            "world_size": t.ctx.world_size, "attempt": t.attempt, "dataset_len": len(t.data),
+        }  # fmt: skip
+        write_result(t.cfg.logging.audit_dir, result=summary, params=t.model.state_dict())
+    return result
+
+
+def close(t: Trainer, *, release_group: bool = True) -> None:
+    """Flush an in-flight checkpoint, close files, free DDP; also after a failed step.
+
+    ``release_group=False`` leaves DDP to a process that is about to exit anyway.
+    """
+    t.guards.close()
+    t.metrics.close()
+    if t.checkpoint is not None:
+        t.checkpoint.close()
+    if t.audit is not None:
+        t.audit.close()
+    t.progress.close()
+    if t.snapshots is not None:
+        t.snapshots.close(completed=finished(t))  # a completed run's snapshot is removed
+    # DDP's C++ reducer holds the process group. Were it the last holder, the
+    # group's destructor would join gloo's threads with the GIL held, which
+    # deadlocks when one of them needs the GIL to free a finished work
+    # (pytorch#56297; seen here). Free it while the group is still registered.
+    if release_group:
+        t.__dict__.pop("ddp", None)
+        gc.collect()

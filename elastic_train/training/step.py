@@ -1,0 +1,256 @@
+"""One optimizer step of the loop in ``train.py``, with what it records.
+
+A step is forward, this rank's audit record, backward (DDP's gradient
+all-reduce, the step's one collective), the optimizer step, the snapshot, and
+at check steps one small all-reduce (:class:`Agreement`) of the loss
+and the preemption flag that runs while the optimizer step and the snapshot
+write go on. A failure in either collective first snapshots the last
+completed step (:class:`StepStart`). See docs/checkpoints-and-snapshots.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_train.log import get_logger
+from elastic_train.training.rng import capture_torch_rng_state
+from elastic_train.training.sampler import ElasticSampler
+from elastic_train.workload.datasets import load_batch
+
+if TYPE_CHECKING:
+    from elastic_train.training.loop import Trainer
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    epoch: int
+    loss: float | None  # mean per-sample loss over the global batch, at check steps
+    samples: int  # size of the global batch
+    seconds: float
+    lr: float
+
+
+def micro_batches(shard: list[int], micro_batch_size: int) -> list[list[int]]:
+    size = micro_batch_size or max(1, len(shard))
+    return [shard[i : i + size] for i in range(0, len(shard), size)]
+
+
+def forward(t: Trainer, indices: list[int]) -> torch.Tensor:
+    """The per-sample losses of one micro-batch."""
+    inputs, targets = (x.to(t.ctx.device) for x in load_batch(t.data.dataset, indices))
+    with t.precision.autocast():
+        return t.loss_fn(t.ddp(inputs), targets).float()
+
+
+def optimizer_step(t: Trainer) -> None:
+    if t.cfg.optimizer.grad_clip > 0:
+        t.precision.unscale_(t.optimizer)  # clip the true gradients, not fp16-scaled ones
+        # Gradients are already identical on every rank, so is their norm.
+        nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.optimizer.grad_clip)
+    t.precision.step(t.optimizer)
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+
+
+def train_step(
+    t: Trainer, batch: list[int], shard: list[int], *, before_sync: Callable[[torch.Tensor], None]
+) -> torch.Tensor:
+    """Forward and backward of one world-size-invariant step (gradients all-reduced);
+    returns the sum of this rank's sample losses. The optimizer step is the caller's.
+
+    ``before_sync(loss_sum)`` runs after the last forward, before the backward
+    whose gradient all-reduce (started bucket by bucket as backward goes) lets
+    any rank finish the step.
+    """
+    scale = t.ctx.world_size / len(batch)
+    chunks, weight = micro_batches(shard, t.cfg.training.micro_batch_size), 1.0
+    if not chunks:
+        # An empty shard (a short last batch on many ranks) must still join
+        # DDP's all-reduce: a real sample with weight zero adds a zero gradient.
+        chunks, weight = [batch[:1]], 0.0
+    loss_sum: torch.Tensor | None = None
+    for i, chunk in enumerate(chunks):
+        # Gradients are all-reduced once per step, in the last backward.
+        sync = i == len(chunks) - 1
+        with contextlib.nullcontext() if sync else t.ddp.no_sync():
+            total = forward(t, chunk).sum()
+            if weight != 1.0:
+                total = total * weight
+            # One sum serves the record and the backward: each extra autograd
+            # node costs µs on a millisecond step.
+            loss_sum = total.detach() if loss_sum is None else loss_sum + total.detach()
+            if sync:
+                before_sync(loss_sum)
+            t.precision.backward(total * scale)
+    assert loss_sum is not None  # chunks is never empty
+    return loss_sum
+
+
+class Agreement:
+    """The small all-reduce of a check step, started early and awaited late:
+    every rank's loss sum, the preemption flag, and rank 0's proposal of the
+    steps until the next check."""
+
+    def __init__(self, t: Trainer, loss_sum: torch.Tensor) -> None:
+        preemption = t.guards.preemption
+        proposal = preemption.propose_interval(t.step) if t.ctx.rank == 0 else 0
+        values = (preemption.flag(), float(proposal))
+        self._totals = torch.cat((loss_sum.reshape(1), loss_sum.new_tensor(values)))
+        self._work = dist.all_reduce(self._totals, async_op=True)
+
+    def wait(self, t: Trainer, *, samples: int) -> tuple[float, bool]:
+        """The global batch's mean loss, and whether any rank was signalled to stop."""
+        self._work.wait()
+        loss_total, signalled, interval = self._totals.tolist()
+        t.guards.preemption.checked(t.step, interval=round(interval))
+        return loss_total / samples, signalled > 0
+
+
+def current_lr(t: Trainer) -> float:
+    return float(t.optimizer.param_groups[0]["lr"])
+
+
+def record_step(
+    t: Trainer, *, step: int, epoch: int, shard: list[int], loss_sum: torch.Tensor
+) -> None:
+    """This rank's audit record of ``step``, written before its gradient all-reduce.
+
+    No rank can complete the step, let alone snapshot it, before every rank
+    has entered that all-reduce, so every state that holds the step has each
+    rank's record of it; a record of a step that then fails is superseded by
+    the restart's. The record's loss is this rank's own mean (``item()``
+    waits for the forward on CUDA; the audit is on in test and benchmark runs).
+    """
+    if t.audit is not None:
+        loss = loss_sum.item() / len(shard) if shard else 0.0
+        t.audit.step(step=step, epoch=epoch, indices=shard, loss=loss)
+
+
+def log_due(t: Trainer, stats: StepStats) -> bool:
+    """A log line needs the global loss, which the ranks agree on only at
+    check steps: the first check at or after each ``log_every_steps`` steps,
+    so about every ``max(log_every_steps steps, 50 ms)``, and logging adds no
+    collective of its own."""
+    if stats.loss is None:
+        return False
+    return stats.step == 1 or stats.step - t.last_logged_step >= t.cfg.logging.log_every_steps
+
+
+def report_step(t: Trainer, stats: StepStats, *, local_samples: int) -> None:
+    """After each step: progress marker, metrics, periodic log line."""
+    t.progress.record(stats.step)
+    t.metrics.step_completed(
+        step=stats.step, samples=local_samples, seconds=stats.seconds, loss=stats.loss,
+        world_size=t.ctx.world_size,
+    )  # fmt: skip
+    if log_due(t, stats):
+        t.last_logged_step = stats.step
+        log.info(
+            "step", step=stats.step, epoch=stats.epoch, loss=round(stats.loss or 0.0, 5),
+            lr=stats.lr, world_size=t.ctx.world_size, step_seconds=round(stats.seconds, 4),
+            samples_per_second=round(stats.samples / stats.seconds, 1),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What a step changes before its optimizer step, taken as it starts (about
+    4 µs): laid over the state at a failure inside the step, it gives the
+    state of the last completed step (``snapshot_on_failure``).
+
+    Python's and NumPy's generators are not part of it (35 µs a step): the
+    step draws only from torch's, so at a failure they are still as the
+    step found them, unless user code drew from them inside the step. Nor
+    are model buffers that the forward updates (BatchNorm's running
+    statistics), which keep the failed step's batch.
+    """
+
+    step: int
+    sampler: dict[str, int]
+    torch_rng: dict[str, Any]
+    comm_hook: dict[str, Any]
+
+    @classmethod
+    def capture(cls, t: Trainer) -> StepStart:
+        return cls(
+            step=t.step, sampler=t.sampler.state_dict(), torch_rng=capture_torch_rng_state(),
+            comm_hook=t.comm_hook.state_dict(),
+        )  # fmt: skip
+
+    def rewind(self, state: dict[str, Any]) -> dict[str, Any]:
+        rng = {**state["rng"], **self.torch_rng}
+        return {
+            **state, "step": self.step, "epoch": self.sampler["epoch"], "sampler": self.sampler,
+            "rng": rng, "comm_hook": self.comm_hook,
+        }  # fmt: skip
+
+
+@contextlib.contextmanager
+def snapshot_on_failure(
+    t: Trainer, *, step: int, state: Callable[[], dict[str, Any]]
+) -> Iterator[None]:
+    """A failure inside (a peer's death breaking a collective) first snapshots
+    ``state()``, the state of completed step ``step``, then propagates."""
+    try:
+        yield
+    except Exception:
+        if t.snapshots is not None:
+            t.snapshots.rescue(step, state)
+        raise
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    signalled: bool | None  # some rank was asked to stop; None: no check after this step
+    epoch_ended: bool
+
+
+def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
+    """One optimizer step with its records and its snapshot.
+
+    The ranks agree (loss, preemption flag) only at check steps and step 1, in
+    an all-reduce that runs while this rank takes the optimizer step and
+    writes the snapshot; every other step has DDP's gradient all-reduce only.
+    A failure in either collective snapshots the last completed step first.
+    """
+    started, epoch, lr = time.perf_counter(), t.sampler.epoch, current_lr(t)
+    start = StepStart.capture(t) if t.snapshots is not None and t.snapshots.rescues else None
+    batch = t.sampler.next_global_batch()
+    shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
+
+    def record(loss_sum: torch.Tensor) -> None:
+        record_step(t, step=t.step + 1, epoch=epoch, shard=shard, loss_sum=loss_sum)
+
+    rewound = (lambda: start.rewind(state())) if start is not None else state
+    with snapshot_on_failure(t, step=t.step, state=rewound):
+        loss_sum = train_step(t, batch, shard, before_sync=record)
+    t.step += 1
+    due = t.step == 1 or t.guards.preemption.check_due(t.step)
+    agreement = Agreement(t, loss_sum) if due else None
+    optimizer_step(t)
+    epoch_ended = t.sampler.epoch_finished()
+    if epoch_ended:
+        t.sampler.start_next_epoch()
+    if t.snapshots is not None:
+        t.snapshots.after_step(t.step, state)
+    loss, signalled = None, None
+    if agreement is not None:
+        with snapshot_on_failure(t, step=t.step, state=state):
+            loss, signalled = agreement.wait(t, samples=len(batch))
+    stats = StepStats(
+        step=t.step, epoch=epoch, loss=loss, samples=len(batch),
+        seconds=time.perf_counter() - started, lr=lr,
+    )  # fmt: skip
+    report_step(t, stats, local_samples=len(shard))
+    return StepOutcome(signalled=signalled, epoch_ended=epoch_ended)
