@@ -28,8 +28,12 @@ part of what is measured (it is the same for every backend).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import re
+import secrets
+import tempfile
 import threading
 import time
 import urllib.request
@@ -37,6 +41,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +148,16 @@ class Server:
         self.store = None
 
 
+@cache
+def _secret_file() -> Path:
+    """One job secret for every handler of this process (0600, as a real job's)."""
+    fd, path = tempfile.mkstemp(prefix="rdzv-secret-")
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32))
+    atexit.register(os.unlink, path)
+    return Path(path)
+
+
 def make_handler(comp: Competitor, endpoint: str, *, run_id: str, k: int) -> RendezvousHandler:
     conf = dict(kv.split("=", 1) for kv in comp.rdzv_conf.split(",") if kv)
     conf["join_timeout"] = str(JOIN_TIMEOUT_S)
@@ -157,6 +172,7 @@ def make_handler(comp: Competitor, endpoint: str, *, run_id: str, k: int) -> Ren
         **conf,
     )
     if comp.ours:  # the bare handler: no node agent (endpoint, zygote) in this process
+        params.config.setdefault("secret_file", str(_secret_file()))
         return create_handler(params)
     return get_rendezvous_handler(params)
 

@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no results in {args.results_dir}; run python -m benchmarks.<name>")
     from benchmarks import plots
 
-    plots.draw_all(results, args.results_dir, suffix="_smoke" if args.smoke else "")
+    titles = {name: TABLES[name][0] for name in results}
+    plots.draw_all(results, args.results_dir, suffix="_smoke" if args.smoke else "", titles=titles)
     text = markdown(results)
     sys.stdout.write(text + "\n")
     if not (args.smoke or args.no_readme):

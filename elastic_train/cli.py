@@ -2,6 +2,8 @@
 
     elastic-train local [--nodes N] [--nproc-per-node K] [--chaos SCHEDULE]
                         [--json PATH] [--run-dir DIR] [--SECTION.KEY=VALUE ...]
+    elastic-train spawn --nproc N [--SECTION.KEY=VALUE ...]
+    elastic-train rdzv reset --endpoint HOST:PORT --run-id ID [--key-prefix PREFIX]
 
 Arguments this parser does not know are the trainer's own (``--config PATH``
 and ``--SECTION.KEY=VALUE`` overrides); they are checked by the trainer's
@@ -19,7 +21,7 @@ from types import FrameType
 
 from elastic_train.agent import metrics_endpoint
 from elastic_train.errors import ConfigError, ElasticTrainError
-from elastic_train.launch import add_spawn_subcommand
+from elastic_train.launch import add_rdzv_subcommand, add_spawn_subcommand
 from elastic_train.log import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -56,7 +58,13 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--run-dir", metavar="DIR", help="audit, checkpoints, logs (default: a temp dir)"
     )
     p.add_argument("--rdzv-backend", default="etcd", help="torchrun --rdzv-backend (default etcd)")
-    p.add_argument("--rdzv-conf", default="", help="torchrun --rdzv-conf (default: the backend's)")
+    p.add_argument(
+        "--rdzv-conf",
+        default="",
+        help="torchrun --rdzv-conf (default: the backend's); the etcd backends get "
+        "secret_file=RUN_DIR/rdzv-secret, a secret made for this run, unless this gives "
+        "secret_file or insecure=true (docs/security.md)",
+    )
     p.add_argument(
         "--metrics-port",
         type=_metrics_port,
@@ -120,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: one ``add_*(subparsers)`` per subcommand; each sets ``handler(args, extra) -> int``
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_local, add_spawn_subcommand]  # type: ignore[type-arg]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [  # type: ignore[type-arg]
+    _add_local,
+    add_spawn_subcommand,
+    add_rdzv_subcommand,
+]
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:

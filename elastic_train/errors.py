@@ -8,11 +8,14 @@ boundary each (``raise X from exc``), so callers never catch third-party types::
     ├── EtcdError                           etcd client failures outside the rendezvous
     │   └── EtcdUnavailableError            no endpoint answered within the deadline
     ├── EtcdServerError                     an embedded etcd server did not start
+    ├── EtcdValueRejectedError              a value read from etcd failed its MAC check
     ├── CheckpointError
     │   ├── CheckpointCorruptError          manifest/checksum/format mismatch
     │   ├── CheckpointMismatchError         saved under an incompatible config
     │   └── CheckpointWriteError            a save failed (disk full, permission, I/O)
     ├── SnapshotError                       shared-memory snapshot unusable
+    │   └── SnapshotRefusedError            a snapshot directory or file we must not trust
+    ├── MetricsPortsTakenError              every port the metrics endpoint may try is in use
     └── ClusterError                        the local cluster runner failed
 
 The rendezvous backend raises torch's own ``RendezvousConnectionError`` and
@@ -54,6 +57,15 @@ class EtcdServerError(ElasticTrainError):
     """An embedded etcd server could not be started or stopped."""
 
 
+class EtcdValueRejectedError(ElasticTrainError):
+    """A value read from etcd failed its MAC or framing check and was not used.
+
+    Forged, replayed from another key or run, written with another secret, or
+    corrupt; the message names the etcd key. Not an :class:`EtcdError`: etcd
+    answered, so this is never retried as an outage.
+    """
+
+
 class CheckpointError(ElasticTrainError):
     """A checkpoint could not be saved or loaded."""
 
@@ -72,6 +84,14 @@ class CheckpointWriteError(CheckpointError):
 
 class SnapshotError(ElasticTrainError):
     """A shared-memory snapshot is missing, torn or does not fit."""
+
+
+class SnapshotRefusedError(SnapshotError):
+    """A snapshot directory or file is a symlink, foreign-owned or open to others."""
+
+
+class MetricsPortsTakenError(ElasticTrainError):
+    """Every port the node's metrics endpoint may try is in use (the agent serves no metrics)."""
 
 
 class ClusterError(ElasticTrainError):

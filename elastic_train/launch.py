@@ -13,6 +13,10 @@ Slurm: :func:`slurm_torchrun_args` maps the ``SLURM_*`` variables of one
 of the allocation as the etcd host unless an endpoint is given), and
 :func:`slurm_worker_env` maps an ``srun`` task per GPU (no torchrun) to the
 worker environment.
+
+``elastic-train rdzv reset --endpoint HOST:PORT --run-id ID`` deletes one run's
+rendezvous keys (:func:`reset_run`), so that a new job under a fixed run id
+(compose, Kubeflow) does not meet the old job's closed rendezvous.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TextIO
 
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
+from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.etcd.server import free_port
 from elastic_train.log import get_logger
 
@@ -98,6 +104,104 @@ def add_spawn_subcommand(subparsers: argparse._SubParsersAction) -> None:  # typ
 
 def _run_spawn(args: argparse.Namespace, trainer_args: list[str]) -> int:
     return spawn(args.nproc, trainer_args, max_restarts=args.max_restarts)
+
+
+# -- elastic-train rdzv reset ------------------------------------------------------
+
+#: the rendezvous backend's default ``key_prefix`` (rdzv-conf)
+DEFAULT_KEY_PREFIX = "/elastic_train"
+
+
+def run_key_prefix(key_prefix: str, run_id: str) -> bytes:
+    """The etcd prefix under which the backend keeps one run's keys: state,
+    heartbeats and store (``elastic_train.rendezvous.backend.create_backend``).
+
+    The trailing ``/`` keeps run ``job-1`` from matching run ``job-10``.
+    """
+    prefix = key_prefix.rstrip("/")
+    if not prefix.startswith("/"):
+        raise ConfigError(f"--key-prefix {key_prefix!r} must be an absolute key prefix, e.g. /a")
+    if not run_id.strip():
+        raise ConfigError("--run-id is empty; give the job's --rdzv-id")
+    return f"{prefix}/{run_id}/".encode()
+
+
+def reset_run(
+    client: EtcdClient, *, key_prefix: str, run_id: str, out: TextIO, dry_run: bool = False
+) -> list[str]:
+    """Delete every key of run ``run_id``, printing each first; returns the keys deleted.
+
+    Only for a run none of whose agents is alive: an agent of a live run
+    would find its rendezvous gone and fail its next round.
+    """
+    prefix = run_key_prefix(key_prefix, run_id)
+    found, _ = client.get_prefix(prefix)
+    print(f"{len(found)} key(s) under {prefix.decode()}", file=out)
+    deleted = []
+    for kv in found:
+        name = kv.key.decode(errors="replace")
+        print(f"{'would delete' if dry_run else 'delete'} {name}", file=out)
+        if not dry_run and client.delete(kv.key):
+            deleted.append(name)
+    log.info("rdzv_reset", run_id=run_id, prefix=prefix.decode(), deleted=len(deleted))
+    return deleted
+
+
+def reset_client_config(args: argparse.Namespace, env: Mapping[str, str]) -> EtcdClientConfig:
+    """The etcd client of ``rdzv reset``: TLS files from flags, the user from the environment."""
+    tls = any((args.cacert, args.cert, args.key))
+    try:
+        return EtcdClientConfig(
+            endpoints=tuple(e.strip() for e in args.endpoint.split(",") if e.strip()),
+            protocol="https" if tls else args.protocol,
+            cacert=args.cacert,
+            cert=args.cert,
+            key=args.key,
+            username=env.get("ETCD_USERNAME") or None,
+            password=env.get("ETCD_PASSWORD") or None,
+        )
+    except ValueError as exc:
+        raise ConfigError(
+            f"rdzv reset: {exc} (ETCD_USERNAME/ETCD_PASSWORD, --cacert/--cert/--key)"
+        ) from exc
+
+
+def add_rdzv_subcommand(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    rdzv = subparsers.add_parser("rdzv", help="maintain the etcd rendezvous of a job")
+    actions = rdzv.add_subparsers(dest="rdzv_command", required=True)
+    p = actions.add_parser(
+        "reset",
+        help="delete one run's rendezvous keys (state, heartbeats, store)",
+        description="Delete the etcd keys of the rendezvous of run ID, after printing "
+        "each one, so that a new job with the same --rdzv-id starts a fresh rendezvous. "
+        "Run it only when no agent of that run is alive. The etcd user comes from "
+        "ETCD_USERNAME/ETCD_PASSWORD.",
+    )
+    p.add_argument("--endpoint", required=True, help="host:port[,host:port...] of etcd")
+    p.add_argument("--run-id", required=True, help="the job's --rdzv-id")
+    p.add_argument(
+        "--key-prefix",
+        default=DEFAULT_KEY_PREFIX,
+        help=f"the job's rdzv-conf key_prefix (default {DEFAULT_KEY_PREFIX})",
+    )
+    p.add_argument("--protocol", choices=("http", "https"), default="http")
+    p.add_argument("--cacert", help="CA bundle for TLS (implies https)")
+    p.add_argument("--cert", help="client certificate for TLS")
+    p.add_argument("--key", help="client certificate key for TLS")
+    p.add_argument("--dry-run", action="store_true", help="print the keys, delete nothing")
+    p.set_defaults(handler=_run_rdzv_reset)
+
+
+def _run_rdzv_reset(args: argparse.Namespace, extra: list[str]) -> int:
+    client = EtcdClient(reset_client_config(args, os.environ))
+    try:
+        reset_run(
+            client, key_prefix=args.key_prefix, run_id=args.run_id, out=sys.stdout,
+            dry_run=args.dry_run,
+        )  # fmt: skip
+    finally:
+        client.close()
+    return 0
 
 
 # -- Slurm ------------------------------------------------------------------------

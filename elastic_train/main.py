@@ -19,6 +19,16 @@ if __name__ == "__main__" and not __package__:
     # name. Put the directory that contains the package there instead.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    # --help reads only the config dataclasses: answer it before torch is
+    # imported and before any hand-over, so that it is instant and starts nothing.
+    # (Checked on the raw argv first: a worker start must not pay for the import.)
+    from elastic_train.config.args import help_requested, help_text
+
+    if help_requested(sys.argv[1:]):
+        print(help_text(), end="")
+        raise SystemExit(0)
+
 if __name__ == "__main__":
     # Before torch is imported: where the node agent runs a zygote, a forked
     # child that has imported it all already becomes this worker, and this
@@ -31,7 +41,7 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.config.args import USAGE, CliArgs, parse_cli
+from elastic_train.config.args import CliArgs, help_text, parse_cli
 from elastic_train.config.job import JobConfig
 from elastic_train.config.load import to_toml
 from elastic_train.errors import (
@@ -108,7 +118,7 @@ def main(argv: Sequence[str] | None = None, *, release: bool = True) -> int:
         print(f"elastic_train: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if args.help:
-        print(USAGE)
+        print(help_text(), end="")
         return 0
     if args.print_config:
         print(to_toml(args.config), end="")

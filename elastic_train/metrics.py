@@ -48,6 +48,7 @@ __all__ = [
     "checkpoint_loaded",
     "checkpoint_saved",
     "enable_multiprocess",
+    "etcd_lease_renewal_failed",
     "etcd_request",
     "etcd_timer",
     "node_name",
@@ -145,6 +146,11 @@ ETCD_SECONDS = Histogram(
     buckets=_FAST,
 )
 ETCD_ERRORS = Counter("elastic_train_etcd_request_errors", "Failed etcd requests.", ("node", "op"))
+ETCD_LEASE_RENEWAL_FAILURES = Counter(
+    "elastic_train_etcd_lease_renewal_failures",
+    "Background lease renewals that failed (the keys expire if none succeeds within the ttl).",
+    ("node", "op"),
+)
 
 # Checkpoints (the writer rank).
 CKPT_BLOCKING = Histogram(
@@ -255,6 +261,11 @@ def etcd_request(op: str, *, seconds: float, error: bool) -> None:
     ETCD_SECONDS.labels(node_name(), op).observe(seconds)
     if error:
         ETCD_ERRORS.labels(node_name(), op).inc()
+
+
+def etcd_lease_renewal_failed(op: str = "lease_keepalive") -> None:
+    """Count one failed background lease renewal (``LeaseKeeper``)."""
+    ETCD_LEASE_RENEWAL_FAILURES.labels(node_name(), op).inc()
 
 
 @contextmanager

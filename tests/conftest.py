@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Iterator
@@ -29,6 +30,24 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
 @pytest.fixture
 def etcd_endpoint(etcd_server: EtcdServer) -> str:
     return etcd_server.endpoint
+
+
+@pytest.fixture(scope="session")
+def rdzv_secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A job secret for the etcd rendezvous, as `openssl rand -hex 32` makes one, in a
+    0600 file: pass ``secret_file=`` it in rdzv-conf (handlers, torchrun agents)."""
+    path = tmp_path_factory.mktemp("rdzv-secret") / "secret"
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_hex(32) + "\n")
+    return path
+
+
+@pytest.fixture
+def rdzv_secret(rdzv_secret_file: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The same secret in ``ELASTIC_TRAIN_RDZV_SECRET``, for handlers made in this process."""
+    secret = rdzv_secret_file.read_text().strip()
+    monkeypatch.setenv("ELASTIC_TRAIN_RDZV_SECRET", secret)
+    return secret
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -35,6 +35,15 @@ CUSTOM_KINDS = ("PodMonitor", "PrometheusRule", "PyTorchJob")
 
 Obj = dict[str, Any]
 
+#: The Secret of the job secret (every launch path's), and where pods read it.
+RDZV_SECRET_NAME = "elastic-train-rdzv-secret"
+RDZV_SECRET_PATH = "/etc/elastic-train/rdzv/secret"
+
+
+def rdzv_secrets(secret: str = "5e" * 32) -> dict[str, dict[str, str]]:
+    """The data of the job secret's Secret, as ``local_process(secrets=...)`` takes it."""
+    return {RDZV_SECRET_NAME: {"secret": secret + "\n"}}
+
 
 @functools.cache
 def _rendered_text(overlay: str) -> str:

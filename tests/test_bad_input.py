@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from elastic_train.config.job import fingerprint
 from elastic_train.config.load import load_config
@@ -33,7 +36,8 @@ TINY = (
 
 
 def _trainer(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "examples")}
+    path = os.pathsep.join([str(REPO / "examples"), str(REPO / "tests")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, "-m", "elastic_train.main", *args],
         capture_output=True, text=True, timeout=120, env=env, **kwargs,  # type: ignore[arg-type]
@@ -70,6 +74,70 @@ def test_missing_dataset_is_refused_at_start(tmp_path: Path) -> None:
     proc = _trainer(*TINY, "--data.name=no_such_package.data:make", "--checkpoint.dir=")
     assert proc.returncode == EXIT_CONFIG_ERROR
     assert "data.name" in proc.stderr and "no_such_package" in proc.stderr
+
+
+def batch_mean_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The common mistake: a mean over the batch where one loss per sample is due."""
+    return F.cross_entropy(output, target)
+
+
+def sum_only(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, target = batch
+    return F.cross_entropy(model(inputs), target, reduction="sum")
+
+
+def text_count(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[object, str]:
+    return sum_only(model, batch), "4"
+
+
+TOKENS = ("--data.name=test_workload_tokens:token_data", "--model.name=char_transformer",
+          "--model.hidden_size=16", "--model.num_heads=2", "--data.num_samples=20")  # fmt: skip
+CONTRACT = {
+    "per_sample": "model.loss_form = 'per_sample' expects loss(output, target) -> Tensor",
+    "sum_count": "model.loss_form = 'sum_count' expects loss(model, batch) -> (loss_sum, count)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--model.loss=test_bad_input:batch_mean_loss",),
+         ["model.loss = 'test_bad_input:batch_mean_loss' (model.loss_form = 'per_sample'): it "
+          "returned a torch.float32 tensor of shape () for a micro-batch of 4 samples",
+          CONTRACT["per_sample"]]),
+        (("--model.loss=test_bad_input:sum_only", "--model.loss_form=sum_count"),
+         ["it returned a torch.float32 tensor of shape (), not a pair (loss_sum, count)",
+          CONTRACT["sum_count"]]),
+        (("--model.loss=test_bad_input:text_count", "--model.loss_form=sum_count"),
+         ["its count is a str, not a number", CONTRACT["sum_count"]]),
+        ((*TOKENS,),
+         ["data.collate_fn = '' (torch's default_collate): cannot make a batch of the items at "
+          "indices [0, 1, 2, 3] (the first item is a dict with keys ['input_ids', 'labels']): "
+          "RuntimeError: stack expects each tensor to be equal size",
+          "data.collate_fn takes", "package.module:function of collate(items: list) -> batch"]),
+        ((*TOKENS, "--data.collate_fn=test_workload_tokens:pad_tokens"),
+         ["the batch is a dict with keys ['input_ids', 'labels'], not a pair (inputs, target)",
+          "model.loss_form = 'sum_count'"]),
+        (("--optimizer.name=test_workload_factories:raises",),
+         ["optimizer.name = 'test_workload_factories:raises': the factory raised RuntimeError",
+          "optimizer.name takes adamw, sgd or an import string"]),
+        (("--schedule.name=test_workload_factories:plateau",),
+         ["schedule.name = 'test_workload_factories:plateau': the factory returned a "
+          "ReduceLROnPlateau", "schedule.name takes constant, cosine, linear"]),
+    ],
+)  # fmt: skip
+def test_bad_loss_collate_or_factory_is_refused_before_training(
+    args: tuple[str, ...], expected: list[str]
+) -> None:
+    proc = _trainer(*TINY, *args, "--checkpoint.dir=", "--training.steps=2")
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-3000:]
+    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    (error,) = [e["error"] for e in events if e["event"] == "config_error"]
+    for text in expected:
+        assert text in error, error
+    # Refused while building, before the first collective and the first step.
+    assert not {"resumed", "training_started", "step"} & {e["event"] for e in events}
 
 
 def _plant(directory: Path, step: int, payload: bytes, *, fingerprint_: str) -> None:

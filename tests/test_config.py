@@ -53,7 +53,10 @@ def test_an_int_in_toml_is_accepted_for_a_float_field(tmp_path: Path) -> None:
         (["trainin.steps=3"], ["trainin", "training"]),
         (["training.steps=three"], ["training.steps", "integer"]),
         (["training.steps=-1"], ["training.steps", ">= 0"]),
-        (["optimizer.name=lamb"], ["optimizer.name", "'adamw'", "'sgd'"]),
+        (["optimizer.name=lamb"], ["optimizer.name", "'adamw'", "'sgd'", "package.module:factory"]),
+        (["schedule.name=step"], ["schedule.name", "'cosine'", "package.module:factory"]),
+        (["data.collate_fn=pad"], ["data.collate_fn", "import string"]),
+        (["model.loss_form=mean"], ["model.loss_form", "'per_sample'", "'sum_count'"]),
         (["checkpoint.async_save=maybe"], ["checkpoint.async_save", "true or false"]),
         (["optimizer.lr=0"], ["optimizer.lr", "> 0"]),
         (["training.epochs=2"], ["training.steps", "training.epochs"]),
@@ -161,3 +164,15 @@ def test_fingerprint_fields_exist() -> None:
     for name in FINGERPRINT_FIELDS:
         section, _, key = name.partition(".")
         assert section in values and (not key or key in values[section]), name
+
+
+def test_factories_and_loss_form_by_import_string() -> None:
+    job = ["optimizer.name=mypkg.opt:make", "optimizer.options.lr=0.1", "schedule.name=mypkg:s",
+           "data.collate_fn=mypkg.data:pad", "model.loss_form=sum_count"]  # fmt: skip
+    cfg = load_config(None, job)
+    assert cfg.optimizer.name == "mypkg.opt:make" and cfg.optimizer.options == {"lr": 0.1}
+    assert cfg.schedule.name == "mypkg:s" and cfg.data.collate_fn == "mypkg.data:pad"
+    # What a checkpoint means depends on the loss form, the collate function and the factory.
+    for override in ("model.loss_form=per_sample", "data.collate_fn=", "optimizer.name=adamw"):
+        assert fingerprint(load_config(None, [*job, override])) != fingerprint(cfg), override
+    assert fingerprint(load_config(None, [*job, "optimizer.options.lr=0.2"])) == fingerprint(cfg)

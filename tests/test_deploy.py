@@ -7,13 +7,22 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 from conftest import SHARED_DIR
-from k8s_manifests import REPO_ROOT, container, find, pod_specs, rdzv_parameters, render
+from k8s_manifests import (
+    RDZV_SECRET_PATH,
+    REPO_ROOT,
+    container,
+    find,
+    pod_specs,
+    rdzv_parameters,
+    render,
+)
 from secure_etcd import PASSWORD, secure_etcd
 
 from elastic_train.config.load import load_config
@@ -118,6 +127,9 @@ def test_dockerfile_is_multi_stage_pinned_non_root_with_torchrun_entrypoint() ->
     (base,) = bases
     assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+-[\w.-]+(@sha256:[0-9a-f]{64})?", base), base
     assert args["VARIANT"] == "cpu"
+    # The image installs the torch range the package declares (its floor included).
+    declared = re.findall(r'"(torch[<>=!~][^"]*)"', (REPO_ROOT / "pyproject.toml").read_text())
+    assert declared == [args["TORCH_SPEC"].strip('"')]
     assert "cpu) index=" in "\n".join(lines) and "cuda) index=" in "\n".join(lines)
     (user,) = [line.split()[1] for line in lines if line.startswith("USER ")]
     uid, gid = map(int, user.split(":"))
@@ -200,8 +212,55 @@ def test_etcd_scripts_make_a_tls_cluster_with_a_user_limited_to_the_prefix(tmp_p
         assert _etcdctl(no_cert, "get", "/elastic-train/x").returncode != 0
 
 
+def _make_compose_secret(directory: Path) -> subprocess.CompletedProcess[str]:
+    """Run the rdzv-secret service's program with ``directory`` standing in for its volume."""
+    maker = COMPOSE["services"]["rdzv-secret"]
+    assert maker["entrypoint"] == ["python", "-c"]
+    (program,) = maker["command"]
+    local = program.replace(str(Path(RDZV_SECRET_PATH).parent), str(directory))
+    return subprocess.run(
+        [sys.executable, "-c", local], capture_output=True, text=True, timeout=30, check=True
+    )
+
+
+def test_compose_makes_the_job_secret_once_and_every_node_signs_with_it(tmp_path: Path) -> None:
+    volume = str(Path(RDZV_SECRET_PATH).parent)
+    maker = COMPOSE["services"]["rdzv-secret"]
+    assert f"rdzv-secret:{volume}" in maker["volumes"] and maker["read_only"]
+    for service in TRAINERS.values():
+        assert f"rdzv-secret:{volume}:ro" in service["volumes"]
+        assert service["depends_on"]["rdzv-secret"]["condition"] == "service_completed_successfully"
+        (conf,) = [a.split("=", 1)[1] for a in service["command"] if a.startswith("--rdzv-conf=")]
+        items = dict(item.split("=", 1) for item in conf.split(","))
+        assert items["secret_file"] == RDZV_SECRET_PATH and "insecure" not in items
+    made = _make_compose_secret(tmp_path)
+    assert made.stdout + made.stderr == "", "nothing secret is printed"
+    secret = tmp_path / Path(RDZV_SECRET_PATH).name
+    first = secret.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}\n", first)
+    assert secret.stat().st_mode & 0o777 == 0o600
+    # `docker compose up` runs it again: restarting nodes keep their peers' key.
+    _make_compose_secret(tmp_path)
+    assert secret.read_text() == first
+
+
+def test_compose_rdzv_reset_service_resets_the_nodes_run() -> None:
+    from elastic_train.cli import build_parser
+
+    reset = COMPOSE["services"]["rdzv-reset"]
+    assert reset["profiles"] == ["tools"], "only on request, never on `docker compose up`"
+    assert reset["entrypoint"][0] == "elastic-train"
+    args = build_parser().parse_args(reset["entrypoint"][1:])
+    node = {
+        k: v for k, v in (a.split("=", 1) for a in TRAINERS["node0"]["command"] if "=" in a)
+    }  # fmt: skip
+    assert args.endpoint == node["--rdzv-endpoint"] and args.run_id == node["--rdzv-id"]
+    prefix = dict(i.split("=", 1) for i in node["--rdzv-conf"].split(","))["key_prefix"]
+    assert args.key_prefix == prefix
+
+
 def test_compose_nodes_run_the_same_command_as_the_kubernetes_pods(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from torch.distributed.run import config_from_args, get_args_parser
 
@@ -209,12 +268,16 @@ def test_compose_nodes_run_the_same_command_as_the_kubernetes_pods(
 
     pod = find(render("cpu"), "Job", "elastic-train")["spec"]["template"]["spec"]
     k8s_args = container(pod, "trainer")["args"]
+    _make_compose_secret(tmp_path)
+    secret_file = tmp_path / Path(RDZV_SECRET_PATH).name
     for service in TRAINERS.values():
-        args = service["command"]
+        args = [a.replace(RDZV_SECRET_PATH, str(secret_file)) for a in service["command"]]
         assert [a.split("=")[0] for a in args] == [a.split("=")[0] for a in k8s_args]
         for name, value in service["environment"].items():
             monkeypatch.setenv(name, value)
         _, _, script = config_from_args(get_args_parser().parse_args(args))
         assert script[-3:] == ["elastic_train/main.py", "--config", "/config/train.toml"]
         params = rdzv_parameters(args)
-        assert check_rdzv_conf(params)[0].key_prefix == "/elastic-train"
+        config = check_rdzv_conf(params)[0]
+        assert config.key_prefix == "/elastic-train"
+        assert config.secret == secret_file.read_bytes().strip()

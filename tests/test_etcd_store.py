@@ -1,4 +1,5 @@
-"""EtcdV3Store semantics against a real etcd, directly and through c10d's PrefixStore."""
+"""EtcdV3Store semantics against a real etcd, directly and through c10d's PrefixStore,
+every value signed with a job secret."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
+from elastic_train.etcd.codec import ValueCodec
 from elastic_train.etcd.server import EtcdServer
 from elastic_train.etcd.store import EtcdV3Store
 
@@ -20,7 +22,12 @@ from elastic_train.etcd.store import EtcdV3Store
 @pytest.fixture
 def store(etcd_server: EtcdServer) -> Iterator[EtcdV3Store]:
     client = EtcdClient(EtcdClientConfig(endpoints=(etcd_server.endpoint,)))
-    yield EtcdV3Store(client, f"/test/store/{uuid.uuid4().hex}", timeout=timedelta(seconds=5))
+    yield EtcdV3Store(
+        client,
+        f"/test/store/{uuid.uuid4().hex}",
+        codec=ValueCodec(b"s" * 32),
+        timeout=timedelta(seconds=5),
+    )
     client.close()
 
 

@@ -20,6 +20,8 @@ from conftest import SHARED_DIR
 from k8s_manifests import (
     CUSTOM_KINDS,
     OVERLAYS,
+    RDZV_SECRET_NAME,
+    RDZV_SECRET_PATH,
     REPO_ROOT,
     container,
     containers,
@@ -330,6 +332,42 @@ def test_tls_overlay_turns_on_client_certificates_and_authentication() -> None:
         "the password comes from a Secret, never a value"
     )
     assert "password" not in conf
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_job_secret_is_mounted_read_only_and_passed_as_secret_file(overlay: str) -> None:
+    objs = render(overlay)
+    pod = trainer_pod(objs)
+    trainer = container(pod, "trainer")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [
+        m for m in trainer["volumeMounts"]
+        if volumes[m["name"]].get("secret", {}).get("secretName") == RDZV_SECRET_NAME
+    ]  # fmt: skip
+    assert mount["readOnly"] is True
+    assert mount["mountPath"] == str(Path(RDZV_SECRET_PATH).parent)
+    secret = volumes[mount["name"]]["secret"]
+    assert secret["defaultMode"] & 0o007 == 0, "no other user of the node reads it"
+    assert not secret.get("optional"), "a pod without the Secret never starts unsigned"
+    if overlay == "kubeflow":
+        policy = find(objs, "PyTorchJob", "elastic-train")["spec"]["elasticPolicy"]
+        conf = {item["key"]: item["value"] for item in policy["rdzvConf"]}
+    else:
+        assert "--rdzv-conf=$(RDZV_CONF)" in trainer["args"]
+        conf = dict(item.split("=", 1) for item in env_value(trainer, "RDZV_CONF").split(","))
+    assert conf["secret_file"] == RDZV_SECRET_PATH
+    assert "insecure" not in conf
+    # The secret is a file, not an environment variable (inherited by every child process).
+    assert not any(e["name"] == "ELASTIC_TRAIN_RDZV_SECRET" for e in trainer.get("env", []))
+
+
+def test_the_documented_command_creates_the_secret_the_pods_mount() -> None:
+    doc = " ".join((REPO_ROOT / "docs" / "deploy.md").read_text().replace("\\\n", " ").split())
+    assert (
+        f"openssl rand -hex 32 | kubectl -n elastic-train create secret generic "
+        f"{RDZV_SECRET_NAME} --from-file=secret=/dev/stdin"
+    ) in doc
+    assert Path(RDZV_SECRET_PATH).name == "secret"
 
 
 def _rule_ports(rule: dict) -> set:

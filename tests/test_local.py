@@ -109,7 +109,9 @@ def test_agent_command_line(tmp_path: Path) -> None:
     assert "--nnodes=1:3" in command and "--rdzv-backend=etcd" in command
     assert "--rdzv-endpoint=127.0.0.1:2379" in command
     assert f"--rdzv-id={cluster.run_id}" in command
-    assert not any(arg.startswith("--rdzv-conf") for arg in command)  # the backend's defaults
+    # The backend's defaults, plus the job secret made for this run (tests/test_launch_secret.py).
+    rdzv_conf = [arg for arg in command if arg.startswith("--rdzv-conf")]
+    assert rdzv_conf == [f"--rdzv-conf=secret_file={tmp_path / 'rdzv-secret'}"]
     assert command[-3:] == [
         "--training.steps=5",
         f"--logging.audit_dir={tmp_path / 'audit'}",

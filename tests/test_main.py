@@ -17,6 +17,7 @@ import torch
 from torch.multiprocessing import ProcessExitedException
 from trainer_procs import TINY_JOB, final_params, run_workers
 
+from elastic_train.config.args import help_text
 from elastic_train.config.load import from_dict, load_config
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.main import main, run
@@ -52,6 +53,15 @@ def test_print_config_shows_the_effective_configuration(capsys: pytest.CaptureFi
     assert main(["--print-config", "--training.steps=3", "--local-rank=1"]) == 0
     printed = capsys.readouterr().out
     assert from_dict(tomllib.loads(printed)) == load_config(None, ["training.steps=3"])
+
+
+def test_help_lists_every_config_key_and_exits_0(capsys: pytest.CaptureFixture) -> None:
+    # Called as a function (as the zygote's worker would): the same text as the
+    # early --help of `python -m elastic_train.main`, tested in test_help_config.py.
+    assert main(["--config", "no-such.toml", "--help"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == help_text()
+    assert "[elastic]\n" in printed and "  snapshot: bool = true\n" in printed
 
 
 def test_a_bad_value_exits_with_the_config_error_code(capsys: pytest.CaptureFixture) -> None:

@@ -14,14 +14,19 @@ from pathlib import Path
 
 import pytest
 from prom_tools import PROMTOOL, wait_for
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_train import metrics
-from elastic_train.agent.metrics_endpoint import MetricsEndpoint, MetricsEndpointConfig
-from elastic_train.errors import ConfigError
+from elastic_train.agent import metrics_endpoint
+from elastic_train.agent.metrics_endpoint import PORT_TRIES, MetricsEndpoint, MetricsEndpointConfig
+from elastic_train.agent.node_agent import AgentSettings, NodeAgent
+from elastic_train.agent.warm_start import AGENT_PID_ENV
+from elastic_train.errors import ConfigError, MetricsPortsTakenError
 from elastic_train.etcd.server import free_port
+from elastic_train.log import clear_context
 
 NODE = metrics.node_name()
 
@@ -125,7 +130,7 @@ def _params(**conf: str) -> RendezvousParameters:
 def test_endpoint_settings_rdzv_conf_wins_over_environment() -> None:
     env = {"ELASTIC_TRAIN_METRICS_PORT": "9500", "ELASTIC_TRAIN_METRICS_HOST": "127.0.0.1"}
     assert MetricsEndpointConfig.from_params(_params(), env) == MetricsEndpointConfig(
-        port=9500, host="127.0.0.1"
+        port=9500, host="127.0.0.1", port_given=True
     )
     config = MetricsEndpointConfig.from_params(_params(metrics_port="off"), env)
     assert config.port is None and config.host == "127.0.0.1"
@@ -140,16 +145,80 @@ def test_bad_metrics_port_is_refused_naming_the_key(port: str) -> None:
         MetricsEndpointConfig.from_params(_params(metrics_port=port), {})
 
 
-def test_a_busy_port_is_a_config_error_and_leaves_nothing_behind(tmp_path: Path) -> None:
+def _occupy(count: int) -> list[socket.socket]:
+    """``count`` consecutive loopback ports, each held by a real listening socket."""
+    for _ in range(50):
+        base, held = free_port(), []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+                sock.listen()
+            return held
+        except OSError:
+            for sock in held:
+                sock.close()
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def test_a_busy_port_moves_the_endpoint_to_the_next_free_one() -> None:
+    """What a second agent on the host meets: the endpoint serves the next free port."""
+    (busy,) = _occupy(1)
+    requested = busy.getsockname()[1]
+    registry = CollectorRegistry()
+    Gauge("probe", "a value only this endpoint serves", registry=registry).set(42)
+    try:
+        with capture_logs() as logs:
+            server, _ = metrics_endpoint._serve_first_free(
+                registry, host="127.0.0.1", port=requested, tries=PORT_TRIES, port_given=True
+            )
+    finally:
+        busy.close()
+    try:
+        port = server.server_port
+        assert requested < port < requested + PORT_TRIES
+        assert _samples(_scrape(port))[("probe", ())] == 42
+        (taken,) = [e for e in logs if e["event"] == "metrics_endpoint_port_taken"]
+        # the user insisted on that port: said loudly, with the port actually served
+        assert (taken["log_level"], taken["requested"], taken["port"]) == ("error", requested, port)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_every_port_taken_turns_metrics_off_and_the_agent_lives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No dead agent: NodeAgent.start serves no metrics, says why, and leaves nothing behind."""
     exported = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        with pytest.raises(ConfigError, match=f"metrics_port={port}"):
-            MetricsEndpoint(host="127.0.0.1", port=port, parent_dir=tmp_path, run_id="r")
+    monkeypatch.setenv(AGENT_PID_ENV, "0")  # start() exports its own; restored afterwards
+    held = _occupy(PORT_TRIES)
+    first, last = held[0].getsockname()[1], held[-1].getsockname()[1]
+    try:
+        with pytest.raises(MetricsPortsTakenError, match=f"ports {first}-{last}"):
+            MetricsEndpoint(host="127.0.0.1", port=first, parent_dir=tmp_path, run_id="r")
+        config = MetricsEndpointConfig(port=first, host="127.0.0.1", parent_dir=tmp_path)
+        agent = NodeAgent(AgentSettings(metrics=config), run_id="r", argv=[])
+        with capture_logs() as logs:
+            agent.start(min_nodes=1, max_nodes=1)
+    finally:
+        clear_context()  # start() binds run_id and node to every later event of this process
+        for sock in held:
+            sock.close()
+    assert agent.endpoint is None
+    (disabled,) = [e for e in logs if e["event"] == "metrics_endpoint_disabled"]
+    assert disabled["log_level"] == "warning" and f"ports {first}-{last}" in disabled["reason"]
     assert list(tmp_path.iterdir()) == []
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == exported  # not switched
+
+
+def test_a_port_that_cannot_be_served_for_another_reason_is_a_config_error(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match=r"metrics_port=\d+ on metrics_host='192\.0\.2\.1'"):
+        MetricsEndpoint(host="192.0.2.1", port=free_port(), parent_dir=tmp_path, run_id="r")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _scrape(port: int) -> str:
@@ -167,7 +236,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 @pytest.mark.slow
 def test_agent_endpoint_keeps_counting_across_a_worker_restart(
-    etcd_endpoint: str, tmp_path: Path
+    etcd_endpoint: str, tmp_path: Path, rdzv_secret_file: Path
 ) -> None:
     """One torchrun agent (2 workers) whose group fails once and restarts."""
     parent = tmp_path / "metrics-parent"
@@ -177,6 +246,7 @@ def test_agent_endpoint_keeps_counting_across_a_worker_restart(
     out.mkdir()
     port = free_port()
     conf = f"metrics_port={port},metrics_host=127.0.0.1,metrics_dir={parent}"
+    conf += f",secret_file={rdzv_secret_file}"
     env = {**os.environ, "ELASTIC_TRAIN_NODE": "nodeA", "PYTHONUNBUFFERED": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",

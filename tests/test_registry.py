@@ -12,7 +12,13 @@ from elastic_train.config.job import DataConfig, ModelConfig
 from elastic_train.errors import ConfigError
 from elastic_train.workload import models
 from elastic_train.workload.datasets import load_batch
-from elastic_train.workload.registry import DATASETS, LOSSES, MODELS, Registry
+from elastic_train.workload.registry import (
+    DATASETS,
+    LOSSES,
+    MODELS,
+    SUM_COUNT_LOSSES,
+    Registry,
+)
 
 
 def tiny_linear(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
@@ -24,6 +30,8 @@ def test_builtin_names() -> None:
     assert {"mlp", "char_transformer"} <= set(MODELS.names())
     assert {"synthetic", "digits", "founding_documents"} <= set(DATASETS.names())
     assert {"cross_entropy", "mse"} <= set(LOSSES.names())
+    assert "token_cross_entropy" in SUM_COUNT_LOSSES.names()
+    assert "token_cross_entropy" not in LOSSES.names()  # each form has its own names
 
 
 def test_import_string_resolves_user_code() -> None:

@@ -24,8 +24,9 @@ from elastic_train import torchrun_plugin
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.etcd.server import EtcdCluster, EtcdServer, free_port
 from elastic_train.rendezvous import backend as rendezvous
-from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend, create_backend
+from elastic_train.rendezvous.backend import create_backend
 from elastic_train.rendezvous.config import parse_config
+from elastic_train.rendezvous.keys import EtcdV3RendezvousBackend
 
 
 def _params(endpoint: str, backend: str = "etcd-v3", **conf: object) -> RendezvousParameters:
@@ -47,10 +48,10 @@ def _same_run(p: RendezvousParameters) -> RendezvousParameters:
 
 
 @pytest.fixture(autouse=True)
-def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> None:
     # create_handler sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE; keep it out of other tests.
+    # Every backend here signs with the job secret (rdzv_secret, in the environment).
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    monkeypatch.delenv("ELASTIC_TRAIN_RDZV_SECRET", raising=False)
 
 
 @pytest.fixture
@@ -111,7 +112,7 @@ def test_corrupt_stored_bytes_raise_state_error(etcd_endpoint: str) -> None:
     client.delete(key)
     create_backend(params)[0].set_state(b"good")
     client.put(key, client.get(key)[0].value[:-1] + b"X")  # a framed value, last byte flipped
-    with pytest.raises(RendezvousStateError, match="checksum"):
+    with pytest.raises(RendezvousStateError, match="HMAC does not match"):
         create_backend(params)[0].get_state()
 
 

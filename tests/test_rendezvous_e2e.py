@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -22,6 +23,8 @@ from elastic_train.etcd.server import EtcdServer
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_minimal.py"
 STEPS = 12
 NNODES = "1:2"
+#: The job secret every agent of these tests signs the rendezvous with.
+RDZV_SECRET = secrets.token_hex(32)
 pytestmark = pytest.mark.slow
 
 
@@ -76,6 +79,7 @@ def _start(
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_TRAIN_", "TORCH"))}
     env["OMP_NUM_THREADS"] = "1"
+    env["ELASTIC_TRAIN_RDZV_SECRET"] = RDZV_SECRET
     agent = Agent(out, f"agent{len(agents)}", cmd, env)
     agents.append(agent)
     return agent

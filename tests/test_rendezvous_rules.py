@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 import urllib.request
@@ -21,6 +22,7 @@ import pytest
 import torch.distributed.elastic.events as torch_events
 import torch.distributed.elastic.events.handlers as torch_event_handlers
 from rendezvous_threads import join_all
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
@@ -37,7 +39,8 @@ SLOW_PRUNING = {"keep_alive_interval": 30, "keep_alive_max_attempt": 3}
 
 
 @pytest.fixture(autouse=True)
-def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> None:
+    # The handlers sign with the job secret (rdzv_secret, in the environment).
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
 
 
@@ -224,3 +227,18 @@ def test_idle_agents_send_etcd_nothing(tmp_path: Path) -> None:
         client.close()
     finally:
         server.stop()
+
+
+def test_an_agent_stopped_by_a_signal_leaves_without_closing_the_rendezvous(
+    etcd_endpoint: str,
+) -> None:
+    """torch 2.6 calls shutdown() while handling a SIGTERM's SignalException: the
+    preempted node must leave, not close the rendezvous on the survivors."""
+    signalled, survivor, finished = _handlers(etcd_endpoint, 3, min_nodes=1, keep_alive_interval=1)
+    try:
+        raise SignalException("SIGTERM", sigval=signal.SIGTERM)
+    except SignalException:
+        assert signalled.shutdown()
+    assert not survivor.is_closed()
+    assert finished.shutdown()  # an agent that ends normally still closes it for everyone
+    assert survivor.is_closed()

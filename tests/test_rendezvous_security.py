@@ -8,7 +8,6 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,8 @@ from elastic_train.errors import EtcdError
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.etcd.server import EtcdServer, find_etcd_binary
 from elastic_train.rendezvous import backend as rendezvous
-from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend, create_backend
+from elastic_train.rendezvous.backend import create_backend
+from elastic_train.rendezvous.keys import EtcdV3RendezvousBackend
 
 PASSWORD = "trainer-pw-0xf00d"
 
@@ -40,8 +40,10 @@ def _params(endpoint: str, run_id: str | None = None, **conf: object) -> Rendezv
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("ELASTIC_TRAIN_RDZV_SECRET", "ETCD_USERNAME", "ETCD_PASSWORD"):
+def _clean_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> None:
+    # Every backend here signs with the session's job secret (rdzv_secret, in the
+    # environment) unless a test says otherwise.
+    for name in ("ETCD_USERNAME", "ETCD_PASSWORD"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
 
@@ -245,6 +247,7 @@ def test_unauthenticated_client_is_refused(auth_server: EtcdServer) -> None:
 
 
 # -- signed state ------------------------------------------------------------------------
+# More forgeries (every kind, in every key) are in test_rdzv_signed_values.py.
 
 
 def _backend(endpoint: str, run_id: str, **conf: object) -> EtcdV3RendezvousBackend:
@@ -253,10 +256,18 @@ def _backend(endpoint: str, run_id: str, **conf: object) -> EtcdV3RendezvousBack
     return create_backend(_params(endpoint, run_id, **conf))[0]
 
 
+def _unsigned(endpoint: str, run_id: str) -> EtcdV3RendezvousBackend:
+    """A backend of an agent run with insecure=true and no secret, or an attacker's."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("ELASTIC_TRAIN_RDZV_SECRET")
+        return _backend(endpoint, run_id, insecure="true")
+
+
 @pytest.fixture
 def secret_file(tmp_path: Path) -> str:
     path = tmp_path / "secret"
-    path.write_text("correct horse battery staple\n")
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
     return str(path)
 
 
@@ -265,10 +276,13 @@ def run_id() -> str:
     return uuid.uuid4().hex
 
 
+SECRET = "9f2c" * 16  # 64 hex characters, as `openssl rand -hex 32` writes
+
+
 def test_signed_round_trip(
     etcd_endpoint: str, secret_file: str, run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("ELASTIC_TRAIN_RDZV_SECRET", "correct horse battery staple")
+    monkeypatch.setenv("ELASTIC_TRAIN_RDZV_SECRET", SECRET)
     writer = _backend(etcd_endpoint, run_id, secret_file=secret_file)
     _, token, _ = writer.set_state(b"signed state")
     reader = _backend(etcd_endpoint, run_id)  # the same secret, from the environment
@@ -279,11 +293,11 @@ def test_signed_round_trip(
 
 
 def test_unsigned_writer_is_refused(etcd_endpoint: str, secret_file: str, run_id: str) -> None:
-    _backend(etcd_endpoint, run_id).set_state(b"unsigned")
+    _unsigned(etcd_endpoint, run_id).set_state(b"unsigned")
     reader = _backend(etcd_endpoint, run_id, secret_file=secret_file)
     with structlog.testing.capture_logs() as logs, pytest.raises(RendezvousStateError):
         reader.get_state()
-    (event,) = [e for e in logs if e["event"] == "rendezvous_state_rejected"]
+    (event,) = [e for e in logs if e["event"] == "etcd_value_rejected"]
     assert event["reason"] == "unsigned"
     assert event["key"] == f"/elastic_train/{run_id}/state"
 
@@ -295,7 +309,7 @@ def test_tampered_byte_is_refused(etcd_endpoint: str, secret_file: str, run_id: 
     stored = bytearray(client.get(key)[0].value)
     stored[-3] ^= 0x01
     client.put(key, bytes(stored))
-    with pytest.raises(RendezvousStateError, match="checksum mismatch"):
+    with pytest.raises(RendezvousStateError, match="HMAC does not match"):
         _backend(etcd_endpoint, run_id, secret_file=secret_file).get_state()
 
 
@@ -303,12 +317,12 @@ def test_wrong_secret_and_missing_secret_are_refused(
     etcd_endpoint: str, secret_file: str, run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _backend(etcd_endpoint, run_id, secret_file=secret_file).set_state(b"s")
-    monkeypatch.setenv("ELASTIC_TRAIN_RDZV_SECRET", "another secret")
-    with pytest.raises(RendezvousStateError, match="checksum mismatch"):
+    monkeypatch.setenv("ELASTIC_TRAIN_RDZV_SECRET", "another secret of at least 32 bytes")
+    with pytest.raises(RendezvousStateError, match=r"HMAC does not match.*another secret"):
         _backend(etcd_endpoint, run_id).get_state()
     monkeypatch.delenv("ELASTIC_TRAIN_RDZV_SECRET")
     with pytest.raises(RendezvousStateError, match="no job secret"):
-        _backend(etcd_endpoint, run_id).get_state()
+        _backend(etcd_endpoint, run_id, insecure="true").get_state()
 
 
 class _Exploit:
@@ -325,16 +339,18 @@ def test_forged_state_never_reaches_the_unpickler(
     etcd_endpoint: str, secret_file: str, tmp_path: Path
 ) -> None:
     """An attacker with write access to the key frames a malicious pickle exactly as an
-    unsigned writer would; with a job secret the agent refuses it before unpickling."""
+    unsigned (insecure) writer would; with a job secret the agent refuses it before unpickling."""
     marker = tmp_path / "pwned"
     run_id = uuid.uuid4().hex
-    _backend(etcd_endpoint, run_id).set_state(pickle.dumps(_Exploit(marker)))
+    _unsigned(etcd_endpoint, run_id).set_state(pickle.dumps(_Exploit(marker)))
     handler = rendezvous.create_handler(_params(etcd_endpoint, run_id, secret_file=secret_file))
     with pytest.raises(RendezvousStateError):
         handler.next_rendezvous()
     assert not marker.exists()
     # Control: the same bytes without a secret do run code, which is the risk signing removes.
-    unprotected = rendezvous.create_handler(_params(etcd_endpoint, run_id))
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("ELASTIC_TRAIN_RDZV_SECRET")
+        unprotected = rendezvous.create_handler(_params(etcd_endpoint, run_id, insecure="true"))
     with pytest.raises(Exception):  # noqa: B017 - whatever torch makes of the object
         unprotected.next_rendezvous()
     assert marker.exists()
@@ -343,13 +359,15 @@ def test_forged_state_never_reaches_the_unpickler(
 def test_heartbeats_are_signed_and_forged_ones_are_left_out(
     etcd_endpoint: str, secret_file: str, run_id: str
 ) -> None:
-    when = datetime(2026, 11, 23, 12, 0, 0, 250000, tzinfo=timezone.utc)
-    _backend(etcd_endpoint, run_id, secret_file=secret_file).beat("honest_1_0", when)
+    _backend(etcd_endpoint, run_id, secret_file=secret_file).beat("honest_1_0")
     # Written without the secret, as an attacker keeping a dead node "alive" would.
-    _backend(etcd_endpoint, run_id).beat("forged_2_0", when)
+    _unsigned(etcd_endpoint, run_id).beat("forged_2_0")
     reader = _backend(etcd_endpoint, run_id, secret_file=secret_file)
+    before = time.monotonic()
     with structlog.testing.capture_logs() as logs:
-        assert reader.heartbeats() == {"honest_1_0": when}
-    (event,) = [e for e in logs if e["event"] == "rendezvous_state_rejected"]
+        seen = reader.heartbeats()
+    assert list(seen) == ["honest_1_0"]
+    assert before <= seen["honest_1_0"] <= time.monotonic()  # this reader's own clock
+    (event,) = [e for e in logs if e["event"] == "etcd_value_rejected"]
     assert event["key"] == f"/elastic_train/{run_id}/heartbeats/forged_2_0"
     assert event["reason"] == "unsigned"

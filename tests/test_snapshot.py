@@ -319,7 +319,7 @@ def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
             local_snapshot_step=snapshot[0] if snapshot else None, disk_step=9, group=None
         )
         mine = snapshot[1] if snapshot and snapshot[0] == agreement.step else None
-        shipped = broadcast_state(mine, agreement.owner_rank, None)
+        shipped = broadcast_state(mine, agreement.owner_rank, None, fingerprint=FP, step=12)
         # The one-call restore: first the snapshot wins, then a newer disk checkpoint.
         ckpt = CheckpointManager(
             Path(root) / "ckpt", keep=2, fingerprint=FP, async_save=False, is_writer=rank == 0

@@ -30,6 +30,7 @@ from elastic_train.agent.zygote import (
 )
 from elastic_train.audit import AuditTail
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
+from elastic_train.local import proctree
 from elastic_train.torchrun_plugin import check_rdzv_conf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,11 +129,15 @@ def _events(path: Path, name: str) -> list[dict]:
 
 def _warm_child(zygote: ZygoteProcess, launcher: subprocess.Popen[str]) -> psutil.Process:
     """The zygote's child that trains for ``launcher`` (polled: the launcher names it)."""
+    return _warm_child_of(zygote.pid, launcher)
+
+
+def _warm_child_of(zygote_pid: int, launcher: subprocess.Popen[str]) -> psutil.Process:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert launcher.poll() is None, "the launcher exited before its child was forked"
         for proc in trainer_processes(psutil.Process()):
-            if proc.ppid() == zygote.pid:
+            if proc.ppid() == zygote_pid:
                 assert psutil.Process(launcher.pid).name() == launcher_name(proc.pid)
                 return proc
         time.sleep(0.05)
@@ -259,7 +264,7 @@ def test_a_signal_to_the_launcher_preempts_the_child_with_no_lost_step(
 
 @pytest.mark.slow
 def test_a_worker_outlives_its_zygote_and_still_reports_its_exit_code(tmp_path: Path) -> None:
-    """The zygote dies (its agent is gone, or a crash): its children train on, and a
+    """The zygote dies (a crash, the OOM killer): its children train on, and a
     launcher exits with the code its child reported, here 0 after a preemption."""
     own = ZygoteProcess(WorkerEntry(str(MAIN)), parent_dir=tmp_path, environ=_env(None))
     try:
@@ -310,7 +315,9 @@ def _parent_of_a_zygote(tmp_path: Path, *, wait_ready: bool) -> tuple[subprocess
         "print(json.dumps({'pid': z.pid, 'dir': str(z.directory)}), flush=True)\n"
         "time.sleep(300)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(  # a launcher's environment, as an agent's zygote has it
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env(None)
+    )
     assert parent.stdout is not None
     return parent, json.loads(parent.stdout.readline())
 
@@ -341,6 +348,32 @@ def test_the_zygote_dies_with_its_parent(zygote: ZygoteProcess, tmp_path: Path) 
     assert not any(d.exists() for d in directories)
     _remove_stale_directories(zygote.directory.parent)
     assert zygote.socket_path.is_socket()  # a live zygote's stays
+
+
+@pytest.mark.slow
+def test_a_zygote_whose_agent_dies_takes_its_children_along(tmp_path: Path) -> None:
+    """Only the zygote's own duty: this launcher lives on (pytest started it, no agent
+    PID to die with), yet the child that trains for it is SIGKILLed and reaped."""
+    parent, started = _parent_of_a_zygote(tmp_path, wait_ready=True)
+    socket_path = Path(started["dir"]) / SOCKET_NAME
+    launcher = _launch(socket_path, tmp_path / "run", *PACED, "training.steps=100000")
+    try:
+        child = _warm_child_of(started["pid"], launcher)
+        _wait_for_step(tmp_path / "run" / "audit", 1, launcher)
+        procs = [child, psutil.Process(started["pid"])]
+        killed = time.monotonic()
+        parent.kill()
+        parent.wait()
+        # Polled: psutil's wait takes a zombie that init has not reaped yet for alive.
+        while proctree.alive(procs) and time.monotonic() - killed < 5:
+            time.sleep(0.005)
+        assert not proctree.alive(procs), "the zygote or its child outlived its parent by 5 s"
+        print(f"zygote and child gone {time.monotonic() - killed:.3f}s after its parent's SIGKILL")
+        assert launcher.wait(30) == -signal.SIGKILL  # the status the zygote reaped
+    finally:
+        parent.kill()
+        launcher.kill()
+        launcher.wait()
 
 
 @pytest.mark.slow
@@ -405,7 +438,7 @@ def _node_zygote(run: Path, node: str, runner: subprocess.Popen[str]) -> psutil.
 @pytest.mark.skipif(sys.platform != "linux", reason="the zygote is Linux only")
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_users_own_script_is_forked_warm_and_keeps_its_exit_code(
-    etcd_endpoint: str, tmp_path: Path, code: int
+    etcd_endpoint: str, tmp_path: Path, code: int, rdzv_secret_file: Path
 ) -> None:
     """The zygote runs the entry of the torchrun command, not only our main.py."""
     script = REPO / "tests/scripts/own_warm_entry.py"
@@ -413,7 +446,8 @@ def test_a_users_own_script_is_forked_warm_and_keeps_its_exit_code(
         [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
             "--max-restarts=0", "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_endpoint}",
-            f"--rdzv-id=own-{code}-{os.getpid()}", "--rdzv-conf=warm_start=1,metrics_port=0",
+            f"--rdzv-id=own-{code}-{os.getpid()}",
+            f"--rdzv-conf=warm_start=1,metrics_port=0,secret_file={rdzv_secret_file}",
             str(script), str(tmp_path), str(code),
         ],
         env=_env(None), capture_output=True, text=True, timeout=180,

@@ -7,19 +7,28 @@ prometheus-client to multiprocess mode over it and exports
 ``PROMETHEUS_MULTIPROC_DIR`` so that the workers the agent spawns afterwards
 (torchrun copies the agent's ``os.environ`` into each worker) write their
 metrics there (see ``docs/observability.md``).
+
+Several agents on one host (two jobs on a shared node, two "nodes" of a local
+run) ask for the same default port. A port in use is not fatal: the endpoint
+serves the next free one of :data:`PORT_TRIES` ports upward, logged as
+``metrics_endpoint_port_taken``, and the node agent serves no metrics (with a
+warning) when every one is taken.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
@@ -27,27 +36,40 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from elastic_train import metrics
-from elastic_train.errors import ConfigError
+from elastic_train.errors import ConfigError, MetricsPortsTakenError
 from elastic_train.log import get_logger
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-__all__ = ["DEFAULT_PORT", "MetricsEndpoint", "MetricsEndpointConfig", "agent_setting"]
+__all__ = [
+    "DEFAULT_PORT",
+    "PORT_TRIES",
+    "MetricsEndpoint",
+    "MetricsEndpointConfig",
+    "agent_setting",
+]
 
 log = get_logger(__name__)
 
 DEFAULT_PORT = 9402
+#: ports tried from the one asked for upward, when it is in use
+PORT_TRIES = 32
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
 
 
 @dataclass(frozen=True)
 class MetricsEndpointConfig:
-    """Where the node's metrics endpoint listens; ``port=None`` turns it off."""
+    """Where the node's metrics endpoint listens; ``port=None`` turns it off.
+
+    ``port_given``: the user set ``metrics_port`` (rather than taking the
+    default), so serving another port is logged as an error, not a warning.
+    """
 
     port: int | None = DEFAULT_PORT
     host: str = "0.0.0.0"
     parent_dir: Path | None = None
+    port_given: bool = False
 
     @classmethod
     def from_params(
@@ -64,6 +86,7 @@ class MetricsEndpointConfig:
             port=DEFAULT_PORT if port is None else parse_metrics_port(port),
             host=host or cls.host,
             parent_dir=Path(parent) if parent else None,
+            port_given=port is not None,
         )
 
 
@@ -102,7 +125,22 @@ class _NodeCollector:
 class MetricsEndpoint:
     """The node's scrape endpoint: a fresh multiprocess directory and an HTTP server."""
 
-    def __init__(self, *, host: str, port: int, parent_dir: Path | None, run_id: str) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        parent_dir: Path | None,
+        run_id: str,
+        port_given: bool = False,
+        tries: int = PORT_TRIES,
+    ) -> None:
+        """Serve on ``port``, else the next free one of ``tries`` upward (0: any free port).
+
+        :class:`MetricsPortsTakenError` when every one is in use; :class:`ConfigError`
+        when the address cannot be served for another reason (a host not of this
+        machine, a privileged port).
+        """
         safe_run_id = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64]
         if parent_dir is not None:
             parent_dir.mkdir(parents=True, exist_ok=True)
@@ -113,14 +151,12 @@ class MetricsEndpoint:
         registry.register(_NodeCollector(self.directory))
         ProcessCollector(registry=registry)  # the agent's own process_* metrics
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
-        except OSError as exc:
+            self._server, self._thread = _serve_first_free(
+                registry, host=host, port=port, tries=tries, port_given=port_given
+            )
+        except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
-            raise ConfigError(
-                f"metrics_port={port} on metrics_host={host!r} cannot be "
-                f"served ({exc.strerror or exc}); choose another metrics_port, 0 for a free "
-                "one, or 'off'"
-            ) from exc
+            raise
         inherited = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if inherited:
             # Not ours to clear or share: our workers get our own directory instead.
@@ -143,6 +179,39 @@ class MetricsEndpoint:
         self._server.server_close()
         shutil.rmtree(self.directory, ignore_errors=True)
         atexit.unregister(self.close)
+
+
+def _serve_first_free(
+    registry: CollectorRegistry, *, host: str, port: int, tries: int, port_given: bool
+) -> tuple[WSGIServer, threading.Thread]:
+    """``start_http_server`` on ``port`` or the first free port above it (the OS boundary)."""
+    last = port if port == 0 else min(port + tries - 1, 65535)
+    for candidate in range(port, last + 1):
+        try:
+            served = start_http_server(candidate, addr=host, registry=registry)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE and candidate < last:
+                continue
+            if exc.errno == errno.EADDRINUSE:
+                raise MetricsPortsTakenError(
+                    f"metrics_port: ports {port}-{last} on metrics_host={host!r} are all in use"
+                ) from exc
+            raise ConfigError(
+                f"metrics_port={candidate} on metrics_host={host!r} cannot be "
+                f"served ({exc.strerror or exc}); choose another metrics_port or "
+                "metrics_host, 0 for a free port, or 'off'"
+            ) from exc
+        if candidate != port:
+            # Prometheus targets that name `port` now reach another process, or none.
+            report = log.error if port_given else log.warning
+            report(
+                "metrics_endpoint_port_taken", requested=port, port=candidate, host=host,
+                port_given=port_given,
+                hint="scrape the port logged here, or give each agent on this host its own "
+                "metrics_port (0 picks a free one)",
+            )  # fmt: skip
+        return served
+    raise AssertionError("not reached: the range holds at least one port")
 
 
 def agent_setting(params: RendezvousParameters, key: str, environ: Mapping[str, str]) -> str | None:

@@ -16,9 +16,15 @@ default (the key wins, so a command line says what it does):
 =================  ===============================  =================================
 rdzv-conf key      environment variable             default
 =================  ===============================  =================================
-``metrics_port``   ``ELASTIC_TRAIN_METRICS_PORT``   ``9402``; ``0`` picks a free port;
+``metrics_port``   ``ELASTIC_TRAIN_METRICS_PORT``   ``9402``; in use: the next free one
+                                                    of 32 upward, else no metrics;
+                                                    ``0`` picks a free port;
                                                     ``off`` serves nothing
-``metrics_host``   ``ELASTIC_TRAIN_METRICS_HOST``   ``0.0.0.0`` (all interfaces)
+``metrics_host``   ``ELASTIC_TRAIN_METRICS_HOST``   ``0.0.0.0``: every interface, so that
+                                                    Prometheus can scrape the pod or
+                                                    host from outside; set an address
+                                                    (``127.0.0.1``, the cluster one)
+                                                    to serve only there
 ``metrics_dir``    ``ELASTIC_TRAIN_METRICS_DIR``    the system temporary directory
 ``warm_start``     ``ELASTIC_TRAIN_WARM_START``     ``auto``: on (Linux) when the workers
                                                     run ``elastic_train/main.py``;
@@ -27,7 +33,13 @@ rdzv-conf key      environment variable             default
 =================  ===============================  =================================
 
 ``metrics_dir`` is the *parent* of the per-run directory; only the per-run
-directory, which the endpoint made, is ever deleted.
+directory, which the endpoint made, is ever deleted. A ``metrics_port`` in use
+(another agent on this host) moves the endpoint to the next free port, logged
+as ``metrics_endpoint_port_taken`` (an error when ``metrics_port`` was given,
+a warning for the default); the agent never dies of it.
+
+Every worker the agent spawns gets ``ELASTIC_TRAIN_AGENT_PID``; the worker's
+``hand_over()`` ties its life to the agent's (``warm_start.die_with_agent``).
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ from elastic_train.agent.metrics_endpoint import (
 )
 from elastic_train.agent.worker_entry import WorkerEntry
 from elastic_train.agent.zygote import ZygoteProcess
-from elastic_train.errors import ConfigError
+from elastic_train.errors import ConfigError, MetricsPortsTakenError
 from elastic_train.log import bind_context, get_logger
 
 __all__ = ["RDZV_CONF_KEYS", "AgentSettings", "NodeAgent", "NodeAgentHandler"]
@@ -122,14 +134,9 @@ class NodeAgent:
         """Serve metrics, then start the zygote (its imports must see the metrics directory)."""
         node = metrics.node_name()
         bind_context(run_id=self._run_id, node=node)
-        config = self._settings.metrics
-        if config.port is None:
-            log.info("metrics_endpoint_disabled")
-        else:
-            self.endpoint = MetricsEndpoint(
-                host=config.host, port=config.port, parent_dir=config.parent_dir,
-                run_id=self._run_id,
-            )  # fmt: skip
+        # torchrun copies this into every worker: they die with this process (docs/warm-start.md).
+        os.environ[warm_start.AGENT_PID_ENV] = str(os.getpid())
+        self.endpoint = self._start_endpoint()
         self._start_zygote()
         metrics.MIN_NODES.labels(node).set(min_nodes)
         metrics.MAX_NODES.labels(node).set(max_nodes)
@@ -144,6 +151,21 @@ class NodeAgent:
         metrics.NODES.labels(node).set(
             0
         )  # not in a round yet: a first round that never ends alerts
+
+    def _start_endpoint(self) -> MetricsEndpoint | None:
+        """The node's endpoint; a host whose ports are all taken costs metrics, not the agent."""
+        config = self._settings.metrics
+        if config.port is None:
+            log.info("metrics_endpoint_disabled", reason="metrics_port=off")
+            return None
+        try:
+            return MetricsEndpoint(
+                host=config.host, port=config.port, parent_dir=config.parent_dir,
+                run_id=self._run_id, port_given=config.port_given,
+            )  # fmt: skip
+        except MetricsPortsTakenError as exc:
+            log.warning("metrics_endpoint_disabled", reason=str(exc))
+            return None
 
     def attach(self, handler: RendezvousHandler) -> NodeAgentHandler:
         """``handler`` with this agent around its rounds."""

@@ -15,6 +15,10 @@ did (the same exit code, or the same signal). The child dies with it, even on
 SIGKILL. When the zygote cannot take the worker, the launcher logs one
 ``warm_start_unavailable`` warning and the worker starts the ordinary way.
 
+Warm or cold, :func:`hand_over` first ties the worker's life to its node
+agent's (:func:`die_with_agent`): no worker trains on once its agent is gone,
+however the agent died.
+
 Only the standard library is imported here: this runs on every worker start.
 """
 
@@ -23,25 +27,32 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any, NoReturn
 
 __all__ = [
+    "AGENT_PID_ENV",
     "FORWARDED_SIGNALS",
     "SOCKET_ENV",
+    "die_with_agent",
     "hand_over",
     "import_time_environ",
     "interpreter_fingerprint",
     "parse_warm_start",
+    "set_parent_death_signal",
 ]
 
 #: the zygote's socket, exported by the node agent to the workers it spawns
 SOCKET_ENV = "ELASTIC_TRAIN_WARM_START_SOCKET"
+#: the node agent's PID, exported by the node agent to the workers it spawns
+AGENT_PID_ENV = "ELASTIC_TRAIN_AGENT_PID"
 #: what a scheduler or torchrun may send a worker; SIGKILL and SIGSTOP cannot be relayed
 FORWARDED_SIGNALS = (
     signal.SIGTERM,
@@ -62,6 +73,7 @@ READY_TIMEOUT_S = 30.0
 MAX_MESSAGE_BYTES = 1 << 20
 #: the accepted values of the ``warm_start`` rdzv-conf key
 _BOOLEANS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+_PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
@@ -97,6 +109,57 @@ def set_process_name(name: str) -> None:
     import ctypes  # only on Linux, and only once the hand-over worked
 
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (0: never; Linux).
+
+    The kernel means the parent *thread* that forked this process: torchrun's
+    agent and our node agent start workers and the zygote from their main thread.
+    """
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def die_with_agent() -> None:
+    """End this process with SIGKILL as soon as the node agent that started it dies.
+
+    Does nothing unless the node agent exported :data:`AGENT_PID_ENV` (it does
+    for every worker torchrun spawns) and this is Linux. A process the agent
+    started itself gets ``PR_SET_PDEATHSIG``: the kernel acts, whatever killed
+    the agent, SIGKILL included, and even while this process is stopped or
+    holds the GIL. Any other process (a zygote's child, whose parent is the
+    zygote; a worker behind a wrapper) watches the agent's pidfd from a
+    thread. One whose agent is gone already ends here.
+    """
+    text = os.environ.get(AGENT_PID_ENV, "")
+    if not text.isdigit() or sys.platform != "linux":
+        return
+    agent = int(text)
+    set_parent_death_signal(signal.SIGKILL)
+    # After arming: an agent that died before is no longer our parent (re-parented).
+    if os.getppid() == agent:
+        return
+    set_parent_death_signal(0)  # our parent is someone else; its death is not the agent's
+    try:
+        pidfd = os.pidfd_open(agent)
+    except ProcessLookupError:
+        _die()
+    # A dead agent not yet reaped (a zombie) makes the pidfd readable at once.
+    threading.Thread(target=_die_on_exit_of, args=(pidfd,), name="agent-watch", daemon=True).start()
+
+
+def _die_on_exit_of(pidfd: int) -> None:
+    """Blocks until the process behind ``pidfd`` has exited, then ends this one."""
+    select.select([pidfd], [], [])
+    _die()
+
+
+def _die() -> NoReturn:
+    """SIGKILL, as the parent-death signal would: nothing of the worker may run on."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(128 + signal.SIGKILL)  # not reached: a signal to oneself is delivered at once
 
 
 def launcher_name(child_pid: int) -> str:
@@ -143,9 +206,10 @@ class _SignalRelay:
 def hand_over(main_file: str) -> None:
     """Run this worker in a child of the node's zygote; returns only to start cold.
 
-    Does nothing (returns at once) unless the node agent exported
-    :data:`SOCKET_ENV` and this is Linux.
+    Does nothing more than :func:`die_with_agent` (returns at once) unless
+    the node agent exported :data:`SOCKET_ENV` and this is Linux.
     """
+    die_with_agent()
     path = os.environ.get(SOCKET_ENV)
     if not path or sys.platform != "linux":
         return

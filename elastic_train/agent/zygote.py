@@ -16,7 +16,9 @@ it with the agent; :func:`main` is the zygote itself; the launcher side is
 
 Either side going away ends the other: the zygote and the child each watch
 the launcher's end of the connection and SIGKILL the child on EOF (the zygote
-also reaches a child that is stopped or stuck holding the GIL).
+also reaches a child that is stopped or stuck holding the GIL). The agent
+going away ends them all: the zygote SIGKILLs every child it forked before it
+exits (docs/warm-start.md, "Lifetimes").
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import io
 import json
 import os
 import selectors
@@ -34,7 +35,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 
 from elastic_train.agent import warm_start
+from elastic_train.agent.adoption import adopt, refusal
 from elastic_train.agent.worker_entry import WorkerEntry
 from elastic_train.log import exit_now, on_exit_now
 
@@ -62,22 +63,10 @@ PRELOADED = (
     "torch.nn.parallel",
     "elastic_train.main",
 )
-_PR_SET_PDEATHSIG = 1
+#: seconds the zygote waits for its SIGKILLed children to be reaped, when its agent is gone
+_KILL_WAIT_S = 1.0
 #: A socket file younger than this is never taken for a dead zygote's.
 _STALE_AFTER = 60.0
-_REQUEST_KEYS = frozenset(
-    {
-        "main_file",
-        "argv",
-        "env",
-        "cwd",
-        "path",
-        "unbuffered",
-        "interpreter",
-        "launcher_pid",
-        "sent_at",
-    }
-)
 _BOOT = (
     "import sys; sys.path.insert(0, sys.argv[1]); "
     "from elastic_train.agent.zygote import main; main()"
@@ -135,7 +124,11 @@ class ZygoteProcess:
         return self.proc.pid
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop the zygote (workers it forked keep running) and remove the directory."""
+        """Stop the zygote, which SIGKILLs the workers it forked, and remove the directory.
+
+        torchrun has stopped its workers before its agent exits; a child still
+        running then would be an orphan.
+        """
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
@@ -202,7 +195,8 @@ def preload() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """The zygote: ``python -c _BOOT ROOT LISTEN_FD AGENT_PID DIRECTORY``; the entry on stdin."""
     fd, agent_pid, directory = (argv or sys.argv[1:])[-3:]
-    _set_parent_death_signal(signal.SIGKILL)  # also while importing, deaf to the pipe
+    # Also while importing, deaf to the pipe; the agent started us from its main thread.
+    warm_start.set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != int(agent_pid):
         os._exit(0)  # the agent died before the line above
     entry = _read_entry()
@@ -214,9 +208,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Objects that exist now are never collected, so a collection in a child does
     # not write to (and copy) the pages it shares with the zygote.
     gc.freeze()
-    # From here the agent's pipe tells: unlike a signal, it lets us clean up.
-    _set_parent_death_signal(0)
-    _Server(listener, startup_env, entry).serve()
+    # From here the agent's pipe tells: unlike a signal, it lets us end our children
+    # (forked, they have no parent-death signal, and may have lost their launchers'
+    # watch while stopped) and remove the socket directory.
+    warm_start.set_parent_death_signal(0)
+    server = _Server(listener, startup_env, entry)
+    server.serve()
+    server.kill_children()
     shutil.rmtree(directory, ignore_errors=True)
     os._exit(0)  # nothing to finalize; torch's teardown would only delay the agent's exit
 
@@ -232,12 +230,6 @@ def _read_entry() -> WorkerEntry:
         line += chunk
     target, is_module = json.loads(line)
     return WorkerEntry(target, is_module=is_module)
-
-
-def _set_parent_death_signal(sig: int) -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 @dataclass
@@ -265,7 +257,7 @@ class _Server:
             for key, _ in self._selector.select():
                 kind = key.data if isinstance(key.data, str) else key.data[0]
                 if kind == "agent" and not os.read(key.fd, 4096):
-                    return  # the agent is gone; the children stay with their launchers
+                    return  # the agent is gone
                 if kind == "accept":
                     self._accept()
                 elif kind == "launcher":
@@ -282,7 +274,7 @@ class _Server:
             if message:  # else the launcher gave up before we got to it
                 truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
                 request = json.loads(message)
-                problem = _refusal(
+                problem = refusal(
                     request, fds, self._startup_env, self._entry_file, truncated=truncated
                 )
                 if problem is None:
@@ -304,7 +296,7 @@ class _Server:
         if pid == 0:
             try:
                 self._close_in_child()
-                _adopt(request, conn, fds)
+                adopt(request, conn, fds)
             except BaseException as exc:
                 # Nothing of the worker has run: the launcher starts it cold instead.
                 reason = {"fallback": f"the forked child could not take over: {exc!r}"}
@@ -322,6 +314,21 @@ class _Server:
         with contextlib.suppress(OSError):  # a launcher gone meanwhile: its EOF ends the child
             conn.send(json.dumps({"pid": pid}).encode())
         return child
+
+    def kill_children(self) -> None:
+        """SIGKILL every child still running and reap them (bounded: one may be stuck in I/O)."""
+        for child in self._children.values():
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+        exits = selectors.DefaultSelector()  # ours holds EOFs that stay readable
+        for child in self._children.values():
+            exits.register(child.pidfd, selectors.EVENT_READ, child)
+        deadline = time.monotonic() + _KILL_WAIT_S
+        while self._children and (left := deadline - time.monotonic()) > 0:
+            for key, _ in exits.select(left):
+                exits.unregister(key.fd)
+                self._reap(key.data)
+        exits.close()
 
     def _launcher_event(self, child: _Child) -> None:
         """The launcher sends nothing after its request: readable means it is gone."""
@@ -349,86 +356,3 @@ class _Server:
         for other in self._children.values():
             os.close(other.pidfd)
             other.conn.close()
-
-
-def _refusal(
-    request: Any, fds: list[int], ours: dict[str, str], entry_file: str | None, *, truncated: bool
-) -> str | None:
-    """Why this zygote cannot start the worker as a cold start would, or None."""
-    complete = isinstance(request, dict) and request.keys() >= _REQUEST_KEYS
-    if truncated or len(fds) != 3 or not complete:
-        return "the request or its file descriptors arrived incomplete"
-    if entry_file != request["main_file"]:
-        return f"the zygote runs {entry_file}, the worker {request['main_file']}"
-    if request["interpreter"] != warm_start.interpreter_fingerprint():
-        return "the worker's Python interpreter or its flags differ from the zygote's"
-    theirs = warm_start.import_time_environ(request["env"])
-    differing = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-    if differing:
-        return f"import-time environment variables differ from the zygote's: {differing}"
-    if sys.modules["torch"].cuda.is_initialized():  # a forked child could not use CUDA
-        return "CUDA is initialized in the zygote"
-    if threading.active_count() != 1:
-        return f"the zygote has {threading.active_count()} threads; a fork would lose them"
-    if not os.path.isdir(request["cwd"]):
-        return f"the working directory {request['cwd']} is gone"
-    return None
-
-
-def _adopt(request: dict[str, Any], conn: socket.socket, fds: list[int]) -> None:
-    """In the forked child: take over the launcher's identity."""
-    os.setsid()  # torchrun starts each worker in its own session
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-    for fd in set(fds) - {0, 1, 2}:
-        os.close(fd)
-    _reopen_stdio(unbuffered=request["unbuffered"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    # The entry's own hand_over() call must start this process, not hand it on again.
-    os.environ.pop(warm_start.SOCKET_ENV, None)
-    os.chdir(request["cwd"])
-    sys.argv[:] = request["argv"]
-    sys.path[:] = request["path"]
-    if "numpy" in sys.modules:  # seeded from the OS at import: one state for every child
-        sys.modules["numpy"].random.seed()
-    tempfile.tempdir = None  # chosen from the zygote's TMPDIR if an import asked already
-    warm_start.set_process_name(Path(sys.executable).name)
-    threading.Thread(
-        target=_die_with_launcher, args=(conn,), name="warm-start-watch", daemon=True
-    ).start()
-    from elastic_train.log import configure_logging, get_logger
-
-    configure_logging()  # main() configures it again from the job's config
-    get_logger(__name__).info(
-        "warm_start_forked",
-        launcher_pid=request["launcher_pid"],
-        handover_seconds=round(time.time() - request["sent_at"], 3),
-    )
-
-
-def _reopen_stdio(*, unbuffered: bool) -> None:
-    """stdin/stdout/stderr on the adopted descriptors, buffered as CPython does at start-up."""
-    for fd, name in enumerate(("stdin", "stdout", "stderr")):
-        old = getattr(sys, name)
-        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
-        buffer: Any = (
-            io.BufferedReader(raw) if fd == 0 else raw if unbuffered else io.BufferedWriter(raw)
-        )
-        stream = io.TextIOWrapper(
-            buffer,
-            encoding=old.encoding,
-            errors=old.errors,
-            line_buffering=not unbuffered and (fd == 2 or raw.isatty()),
-            write_through=unbuffered,
-        )
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
-
-
-def _die_with_launcher(conn: socket.socket) -> None:
-    """Blocks until the launcher's end closes, then ends this worker: no orphan may train on."""
-    with contextlib.suppress(OSError):
-        while conn.recv(1):
-            pass
-    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,10 +1,11 @@
-"""``main.py``'s command line: ``--config PATH``, ``--print-config`` and overrides."""
+"""``main.py``'s command line: ``--config PATH``, ``--print-config``, ``--help`` and overrides."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from elastic_train.config.describe import describe_config
 from elastic_train.config.job import JobConfig
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
@@ -12,10 +13,12 @@ from elastic_train.errors import ConfigError
 # -- command line -------------------------------------------------------------
 
 USAGE = """\
-usage: main.py [--config PATH] [--print-config] [--SECTION.KEY=VALUE ...]
+usage: python -m elastic_train.main [-h] [--config PATH] [--print-config] [--SECTION.KEY=VALUE ...]
+   or: torchrun [TORCHRUN OPTIONS] elastic_train/main.py [same arguments]
 
   --config PATH          TOML file with [section] tables (see docs/training.md)
   --print-config         print the effective configuration as TOML and exit
+  -h, --help             print this help, with every config key below, and exit
   --SECTION.KEY=VALUE    override one field, e.g. --training.steps=100
   --local-rank N         accepted and ignored: LOCAL_RANK comes from the environment
 """
@@ -30,34 +33,66 @@ class CliArgs:
     help: bool = False
 
 
+@dataclass
+class _Scanned:
+    """The command line taken apart, before any file is read."""
+
+    path: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    print_config: bool = False
+    help: bool = False
+
+
+def help_text() -> str:
+    """``--help``: the usage, then every config key (:func:`describe.describe_config`)."""
+    return f"{USAGE}\n{describe_config()}"
+
+
+def help_requested(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` asks for ``--help``; reads no file, so it can run before torch loads.
+
+    A malformed command line is not a request for help: :func:`parse_cli`
+    then reports what is wrong with it.
+    """
+    try:
+        return _scan(argv).help
+    except ConfigError:
+        return False
+
+
 def parse_cli(argv: Sequence[str]) -> CliArgs:
     """Parse ``main.py``'s arguments; raises :class:`ConfigError` naming the bad one."""
-    path: str | None = None
-    overrides: list[str] = []
-    flags = {"print_config": False, "help": False}
+    scanned = _scan(argv)
+    if scanned.help:
+        return CliArgs(config=JobConfig(), help=True)
+    return CliArgs(
+        config=load_config(scanned.path, scanned.overrides), print_config=scanned.print_config
+    )
+
+
+def _scan(argv: Sequence[str]) -> _Scanned:
+    scanned = _Scanned()
     args = list(argv)
     while args:
         arg = args.pop(0)
         name, has_value, value = arg.partition("=")
         if arg in ("-h", "--help"):
-            flags["help"] = True
+            scanned.help = True
         elif arg == "--print-config":
-            flags["print_config"] = True
+            scanned.print_config = True
         elif name in ("--config", *_LEGACY_LOCAL_RANK):
             if not has_value:
                 if not args:
                     raise ConfigError(f"{name} needs a value")
                 value = args.pop(0)
             if name == "--config":
-                path = value
+                scanned.path = value
         elif arg.startswith("--") and "." in name:
             if not has_value:
                 if not args:
                     raise ConfigError(f"{name} needs a value")
                 value = args.pop(0)
-            overrides.append(f"{name[2:]}={value}")
+            scanned.overrides.append(f"{name[2:]}={value}")
         else:
             raise ConfigError(f"unknown argument {arg!r}; expected --SECTION.KEY=VALUE\n{USAGE}")
-    if flags["help"]:
-        return CliArgs(config=JobConfig(), help=True)
-    return CliArgs(config=load_config(path, overrides), print_config=flags["print_config"])
+    return scanned

@@ -18,16 +18,27 @@ from typing import Any, ClassVar, Literal
 
 from elastic_train.errors import ConfigError
 
+#: The optimizers and LR schedules that ``optimizer.name``/``schedule.name`` name
+#: without an import string (``training/optim.py`` builds them).
+BUILTIN_OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
+BUILTIN_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     SECTION: ClassVar[str] = "model"
     #: A registered model name or an import string ``package.module:factory``.
     name: str = "char_transformer"
-    #: A registered loss name or an import string; returns one loss per sample.
+    #: A registered loss name or an import string, of the form ``loss_form`` names.
     loss: str = "cross_entropy"
+    #: "per_sample": ``loss(output, target) -> [batch]`` on ``(inputs, target)`` batches.
+    #: "sum_count": ``loss(model, batch) -> (loss_sum, count)`` on any batch (docs/training.md).
+    loss_form: Literal["per_sample", "sum_count"] = "per_sample"
+    #: Width of the built-in models (transformer embedding, MLP hidden layers).
     hidden_size: int = 64
+    #: Transformer blocks, or MLP hidden layers.
     num_layers: int = 2
+    #: Attention heads (char_transformer); must divide hidden_size.
     num_heads: int = 4
     #: Extra keyword arguments for a custom factory (``--model.options.key=value``).
     options: dict[str, Any] = field(default_factory=dict)
@@ -47,11 +58,17 @@ class DataConfig:
     num_features: int = 32  # synthetic only
     num_classes: int = 8  # synthetic only
     seq_len: int = 64  # character language model only
+    #: An import string of ``collate(items: list) -> batch``; "": the dataset's
+    #: own (``DataBundle.collate_fn``), else torch's ``default_collate``.
+    collate_fn: str = ""
+    #: Extra settings for a custom dataset factory (--data.options.key=value).
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive(self, "num_samples", "num_features", "seq_len")
         _check(self, "num_classes", self.num_classes >= 2, "must be >= 2")
+        _check(self, "collate_fn", not self.collate_fn or ":" in self.collate_fn,
+               'expected "" or an import string package.module:function')  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,7 @@ class TrainingConfig:
     #: 2 cores (measured), about 60-100 s: long enough for the README's chaos
     #: events at 15 s and 35 s to land mid-run.
     steps: int = 800
+    #: Whole epochs to run when steps = 0; one of steps and epochs is > 0.
     epochs: int = 0
     #: Samples per optimizer step summed over all workers (``batch_mode = "global"``).
     global_batch_size: int = 32
@@ -72,6 +90,7 @@ class TrainingConfig:
     #: "global": the global batch is fixed, results do not depend on the world size.
     #: "per_worker": each worker takes worker_batch_size and the LR scales linearly.
     batch_mode: Literal["global", "per_worker"] = "global"
+    #: Seeds the initial weights and the per-epoch sample permutation.
     seed: int = 0
     #: "bf16"/"fp16": torch.autocast mixed precision; fp16 adds a checkpointed GradScaler.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -97,18 +116,25 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     SECTION: ClassVar[str] = "optimizer"
-    name: Literal["adamw", "sgd"] = "adamw"
+    #: "adamw", "sgd", or an import string of ``factory(model, **options) -> Optimizer``
+    #: (then lr, weight_decay, momentum, beta1, beta2 and eps are the factory's business).
+    name: str = "adamw"
     #: The learning rate of the whole global batch (of one worker in per_worker mode).
     lr: float = 3e-3
+    #: Decoupled (AdamW) or L2 (SGD) weight decay.
     weight_decay: float = 0.0
     momentum: float = 0.9  # sgd only
     beta1: float = 0.9  # adamw only
     beta2: float = 0.99  # adamw only
+    #: AdamW's epsilon.
     eps: float = 1e-8
     #: Clip the global gradient norm to this value; 0 disables clipping.
     grad_clip: float = 1.0
+    #: Keyword arguments for an optimizer factory (``--optimizer.options.key=value``).
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _builtin_or_import_string(self, "name", BUILTIN_OPTIMIZERS)
         _positive(self, "lr", "eps")
         _check(self, "weight_decay", self.weight_decay >= 0, "must be >= 0")
         _check(self, "grad_clip", self.grad_clip >= 0, "must be >= 0 (0: off)")
@@ -117,12 +143,18 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class ScheduleConfig:
     SECTION: ClassVar[str] = "schedule"
-    name: Literal["constant", "cosine", "linear"] = "cosine"
+    #: "constant", "cosine", "linear", or an import string of
+    #: ``factory(optimizer, **options) -> LRScheduler`` (stepped after every optimizer step).
+    name: str = "cosine"
+    #: Linear warmup from lr/warmup_steps to lr.
     warmup_steps: int = 20
     #: The LR decays to lr * min_lr_ratio at the last step (cosine, linear).
     min_lr_ratio: float = 0.1
+    #: Keyword arguments for a scheduler factory (``--schedule.options.key=value``).
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _builtin_or_import_string(self, "name", BUILTIN_SCHEDULES)
         _check(self, "warmup_steps", self.warmup_steps >= 0, "must be >= 0")
         _check(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
 
@@ -136,7 +168,9 @@ class CheckpointConfig:
     interval_steps: int = 25
     #: Save when this many seconds passed since the last save; 0 disables it.
     interval_seconds: float = 0.0
+    #: Complete checkpoints to keep.
     keep: int = 3
+    #: Write in a background thread; the loop waits only for the host copy.
     async_save: bool = True
     #: Exit (code errors.EXIT_CHECKPOINT_FAILURES) after this many failed saves in a row.
     max_consecutive_failures: int = 3
@@ -162,7 +196,9 @@ class ElasticConfig:
     #: Seconds without a completed step; 0: max(watchdog_floor_seconds,
     #: watchdog_multiple x the median step time).
     watchdog_timeout_seconds: float = 0.0
+    #: See watchdog_timeout_seconds.
     watchdog_multiple: float = 10.0
+    #: See watchdog_timeout_seconds.
     watchdog_floor_seconds: float = 60.0
     #: The limit before the first step and during saves and evaluations.
     watchdog_startup_seconds: float = 600.0
@@ -180,6 +216,7 @@ class ElasticConfig:
     #: snapshot_max_overhead of the step time, else at multiples of the
     #: smallest power of two that stays within it (so that nodes line up).
     snapshot_every_steps: int = 0
+    #: Max step-time share for snapshots; see snapshot_every_steps.
     snapshot_max_overhead: float = 0.02
     #: When a step fails (a peer died mid all-reduce), write the state of the
     #: last completed step before exiting, so the failure loses at most the
@@ -226,6 +263,7 @@ class EvalConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     SECTION: ClassVar[str] = "logging"
+    #: Log level (torch's logs too).
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: "auto": JSON lines unless stderr is a terminal.
     format: Literal["auto", "json", "console"] = "auto"
@@ -264,6 +302,13 @@ def _check(component: Any, key: str, ok: bool, message: str) -> None:
 def _positive(component: Any, *keys: str) -> None:
     for key in keys:
         _check(component, key, getattr(component, key) > 0, "must be > 0")
+
+
+def _builtin_or_import_string(component: Any, key: str, builtins: tuple[str, ...]) -> None:
+    value = getattr(component, key)
+    names = ", ".join(repr(name) for name in builtins)
+    _check(component, key, value in builtins or ":" in value,
+           f"use one of {names} or an import string package.module:factory")  # fmt: skip
 
 
 #: What a checkpoint's meaning depends on. A resume under a different value

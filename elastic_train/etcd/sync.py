@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
+from elastic_train import metrics
 from elastic_train.errors import EtcdError
 from elastic_train.etcd.client import EtcdClient, KeyValue, LeaseExpiredError, WatchEvent
 from elastic_train.log import get_logger
@@ -58,11 +59,21 @@ class LeaseKeeper:
             if not lease_id:
                 continue
             try:
-                if self._client.refresh_lease(lease_id) > 0:
-                    with self._lock:
-                        self._renewed = time.monotonic()
+                ttl_left = self._client.refresh_lease(lease_id)
             except EtcdError as exc:
-                log.debug("lease_renewal_failed", lease=lease_id, error=str(exc))
+                # Keys expire when no renewal succeeds for a whole ttl: worth a warning
+                # (and a counter) long before that, not a debug line.
+                metrics.etcd_lease_renewal_failed()
+                log.warning("lease_renewal_failed", lease=lease_id, ttl=self._ttl, error=str(exc))
+                continue
+            with self._lock:
+                if ttl_left > 0:
+                    self._renewed = time.monotonic()
+                elif self._lease_id == lease_id:
+                    self._lease_id = 0  # the next write takes a new lease
+            if ttl_left <= 0:
+                metrics.etcd_lease_renewal_failed()
+                log.warning("lease_expired", lease=lease_id, ttl=self._ttl)
 
     def run(self, write: Callable[[int], T]) -> T:
         """Call ``write(lease_id)``; if the lease expired meanwhile, take a new one and retry."""

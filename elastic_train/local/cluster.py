@@ -30,6 +30,11 @@ from elastic_train.errors import ClusterError, ConfigError
 from elastic_train.etcd.server import EtcdServer, free_port
 from elastic_train.local import proctree
 from elastic_train.local.chaos import ChaosEvent, node_count, validate_schedule
+from elastic_train.local.rdzv_secret import (
+    planned_secret_file,
+    with_secret_file,
+    write_secret_file,
+)
 from elastic_train.log import get_logger
 from elastic_train.training.state_sync import remove_run_snapshots
 
@@ -63,7 +68,9 @@ class ClusterSpec:
     #: append ``--logging.audit_dir`` and ``--checkpoint.dir`` (our trainer's flags)
     trainer_args: bool = True
     rdzv_backend: str = "etcd"
-    #: ``key=value,...`` for ``--rdzv-conf``; empty keeps the backend's defaults
+    #: ``key=value,...`` for ``--rdzv-conf``; empty keeps the backend's defaults. Our
+    #: backends get ``secret_file`` of a secret made per run unless this (or
+    #: ``ELASTIC_TRAIN_RDZV_SECRET``) gives one, or ``insecure=true``
     rdzv_conf: str = ""
     #: an external rendezvous endpoint; None starts etcd (or picks a c10d port)
     rdzv_endpoint: str | None = None
@@ -145,6 +152,10 @@ class LocalCluster:
         self.nodes: dict[int, Node] = {}
         self.etcd: EtcdServer | None = None
         self.endpoint = spec.rdzv_endpoint or ""
+        #: the job secret this run makes, or None: the spec gives one, or the backend signs nothing
+        self.secret_file, self._secret_source = planned_secret_file(
+            spec.rdzv_backend, spec.rdzv_conf, {**os.environ, **dict(spec.env)}, self.run_dir
+        )
         self._seen: dict[tuple[int, float], psutil.Process] = {}
         self._free_ports: dict[int, int] = {}
         self._last_scan = float("-inf")
@@ -178,6 +189,9 @@ class LocalCluster:
             raise ConfigError(f"run_dir {self.run_dir} already holds a run; use a new one")
         for sub in ("audit", "checkpoints", "logs"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        if self.secret_file is not None:
+            write_secret_file(self.secret_file)
+        log.info("local_rdzv_secret", source=self._secret_source, file=str(self.secret_file or ""))
         if not self.endpoint:
             self.endpoint = self._start_rendezvous_server()
         for index in range(self.spec.nodes):
@@ -224,7 +238,10 @@ class LocalCluster:
 
     def command(self) -> list[str]:
         spec = self.spec
-        conf = [f"--rdzv-conf={spec.rdzv_conf}"] if spec.rdzv_conf else []
+        rdzv_conf = spec.rdzv_conf
+        if self.secret_file is not None:
+            rdzv_conf = with_secret_file(rdzv_conf, self.secret_file)
+        conf = [f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []
         return [
             sys.executable,
             "-m",
@@ -357,6 +374,8 @@ class LocalCluster:
                 self.etcd.stop()
                 shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
             remove_run_snapshots(self.run_id)  # killed nodes' /dev/shm snapshots
+            if self.secret_file is not None:  # no use once every agent is gone
+                self.secret_file.unlink(missing_ok=True)
 
     def _stop_nodes(self) -> None:
         self._last_scan = float("-inf")  # a fresh scan: the last one may be a second old

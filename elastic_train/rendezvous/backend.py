@@ -1,64 +1,57 @@
 """The etcd v3 rendezvous for torchrun: ``--rdzv-backend etcd-v3`` (and ``etcd``).
 
 PyTorch's ``DynamicRendezvousHandler`` runs the rendezvous state machine; this
-module gives it a backend on the etcd v3 API (:class:`EtcdV3RendezvousBackend`),
-an etcd-backed c10d store, fast-recovery defaults, and the torchrun entry points.
+module gives it a backend on the etcd v3 API
+(:class:`~elastic_train.rendezvous.keys.EtcdV3RendezvousBackend`), an etcd-backed
+c10d store, fast-recovery defaults, and the torchrun entry points.
 
 The handler stores its state as a *pickle*, so whoever can write the state key
-can run code on every agent that reads it. With a job secret (rdzv-conf
-``secret_file`` or ``ELASTIC_TRAIN_RDZV_SECRET``) each value is signed with
-HMAC-SHA256 and verified before the bytes reach the unpickler
-(:mod:`rendezvous_codec`).
+could run code on every agent that reads it. Every value (state, heartbeats and
+the Store's) is therefore signed with the job secret (rdzv-conf ``secret_file``
+or ``ELASTIC_TRAIN_RDZV_SECRET``) and checked before its bytes go anywhere
+(:mod:`elastic_train.etcd.codec`); running unsigned takes ``insecure=true``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
-from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
-from typing import TypeVar
+from datetime import timedelta
 
 from torch.distributed import Store
 from torch.distributed.elastic.events import NodeState
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousInfo,
     RendezvousParameters,
-    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
-    RendezvousBackend,
     RendezvousSettings,
     RendezvousTimeout,
-    Token,
     _NodeDesc,
 )
 
-from elastic_train.errors import EtcdError, EtcdUnavailableError
-from elastic_train.etcd.client import EtcdClient, KeyValue
+from elastic_train.errors import EtcdUnavailableError
+from elastic_train.etcd.client import EtcdClient
 from elastic_train.etcd.store import EtcdV3Store
-from elastic_train.etcd.sync import LeaseKeeper, WatchedKey, close_with
 from elastic_train.log import configure_logging_if_unconfigured, get_logger, register_secret
-from elastic_train.rendezvous.codec import ValueCodec
-from elastic_train.rendezvous.config import (
-    RendezvousConfig,
-    parse_config,
-)
+from elastic_train.rendezvous.config import RendezvousConfig, parse_config, value_codec
+from elastic_train.rendezvous.keys import EtcdV3RendezvousBackend
+from elastic_train.rendezvous.liveness import node_name
 from elastic_train.rendezvous.rules import (
     FastOpExecutor,
     WatchedStateHolder,
     keep_alive_while_awaited,
-    node_name,
     record_event,
     round_ended,
 )
 
 __all__ = [
-    "EtcdV3RendezvousBackend",
     "EtcdV3RendezvousHandler",
     "create_backend",
     "create_handler",
@@ -66,143 +59,7 @@ __all__ = [
 
 log = get_logger(__name__)
 
-T = TypeVar("T")
-
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-class EtcdV3RendezvousBackend(RendezvousBackend):
-    """Holds torch's rendezvous state in one etcd key; the fencing token is its mod_revision.
-
-    Heartbeats live beside it, one key per node (:meth:`beat`, :meth:`heartbeats`):
-    written into the one state key, K agents' heartbeats take most of the
-    compare-and-swaps a round needs, and at K = 64 the joins starved.
-
-    Args:
-        client: the etcd client.
-        name: the backend name torchrun was asked for (``etcd-v3`` or ``etcd``).
-        key: the etcd key of the state.
-        heartbeats: the prefix of the nodes' heartbeat keys.
-        ttl: seconds the keys outlive the last agent (a lease, renewed while one runs).
-        secret: the job secret that signs and verifies each value; ``None``: unsigned.
-    """
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        *,
-        name: str,
-        key: str,
-        heartbeats: str,
-        ttl: int = 7200,
-        secret: bytes | None,
-    ) -> None:
-        self._client = client
-        self._name = name
-        self._key = key.encode()
-        self._beats_prefix = heartbeats.encode()
-        self._lease = LeaseKeeper(client, ttl)
-        # Agents write the state only during a rendezvous, so a job that runs
-        # for longer than ttl without one must still keep its state key.
-        self._lease.renew_in_background()
-        self._codec = ValueCodec(secret)
-        self._seen_revision = 0  # of the state last handed to the handler
-        # torch's handler polls get_state about once a second per agent; a watched
-        # copy answers those polls without a request while nothing changes.
-        self._state = WatchedKey(client, self._key)
-        close_with(self, self._state, self._lease)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def close(self) -> None:
-        """Stop watching the state key (reads still work, straight from etcd)."""
-        self._state.close()
-        self._lease.stop_renewing()
-
-    def get_state(self) -> tuple[bytes, Token] | None:
-        current = self._etcd(self._state.read)
-        if current is None:
-            self._seen_revision = 0
-            return None
-        self._seen_revision = current.mod_revision
-        return self._codec.decode(self._key, current.value), current.mod_revision
-
-    def wait_for_change(self, timeout: float) -> bool:
-        """Block until the state is newer than the one last returned, or ``timeout``."""
-        return self._state.wait_newer(self._seen_revision, timeout)
-
-    def set_state(
-        self, state: bytes, token: Token | None = None
-    ) -> tuple[bytes, Token, bool] | None:
-        revision = 0 if token is None else _parse_token(token)
-        if revision is None:  # invalid: write nothing, report the current state
-            current = self.get_state()
-            return None if current is None else (*current, False)
-        encoded = self._codec.encode(self._key, state)
-        written, current, new_revision = self._etcd(
-            lambda: self._lease.run(
-                lambda lease: self._client.put_if_revision(
-                    self._key, encoded, mod_revision=revision, lease=lease
-                )
-            )
-        )
-        if written:
-            self._state.offer(KeyValue(self._key, encoded, new_revision))
-            self._seen_revision = new_revision
-            return state, new_revision, True
-        if current is None:
-            self._seen_revision = 0
-            return None
-        self._state.offer(current)
-        self._seen_revision = current.mod_revision
-        return self._codec.decode(self._key, current.value), current.mod_revision, False
-
-    def _etcd(self, request: Callable[[], T]) -> T:
-        try:
-            return request()
-        except EtcdUnavailableError as exc:
-            raise RendezvousConnectionError(f"etcd is unreachable: {exc}") from exc
-        except EtcdError as exc:
-            raise RendezvousConnectionError(str(exc)) from exc
-
-    def beat(self, node: str, when: datetime) -> None:
-        """Record ``node``'s heartbeat at ``when``: one put of its own key, no state write."""
-        key = self._beat_key(node)
-        value = self._codec.encode(key, repr(when.timestamp()).encode())
-        self._etcd(lambda: self._lease.run(lambda lease: self._client.put(key, value, lease=lease)))
-
-    def forget(self, node: str) -> None:
-        """Delete ``node``'s heartbeat key (the node is leaving the job)."""
-        self._etcd(lambda: self._client.delete(self._beat_key(node)))
-
-    def _beat_key(self, node: str) -> bytes:
-        return self._beats_prefix + node.encode()
-
-    def heartbeats(self) -> dict[str, datetime]:
-        """Each node's last heartbeat; refused values (forged, corrupt) are left out."""
-        found, _ = self._etcd(lambda: self._client.get_prefix(self._beats_prefix))
-        beats: dict[str, datetime] = {}
-        for kv in found:
-            try:
-                seconds = float(self._codec.decode(kv.key, kv.value))
-            except (RendezvousStateError, ValueError, OverflowError):
-                continue  # the codec logged why; the node just looks older
-            beats[kv.key[len(self._beats_prefix) :].decode(errors="replace")] = (
-                datetime.fromtimestamp(seconds, timezone.utc)
-            )
-        return beats
-
-
-def _parse_token(token: Token) -> int | None:
-    if isinstance(token, bool):
-        return None
-    if isinstance(token, int):
-        return token if token > 0 else None
-    if isinstance(token, str | bytes) and token.isdigit() and int(token) > 0:
-        return int(token)
-    return None
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
@@ -220,6 +77,7 @@ def _create_backend(
 ) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
     if not params.run_id:
         raise ValueError("run_id is empty; pass --rdzv-id")
+    codec = value_codec(config)  # no secret and no insecure=true: a ValueError
     client = EtcdClient(config.client)
     run_prefix = f"{config.key_prefix}/{params.run_id}"
     backend = EtcdV3RendezvousBackend(
@@ -228,9 +86,9 @@ def _create_backend(
         key=f"{run_prefix}/state",
         heartbeats=f"{run_prefix}/heartbeats/",
         ttl=config.ttl,
-        secret=config.secret,
+        codec=codec,
     )
-    store = EtcdV3Store(client, f"{run_prefix}/store", lease_ttl=config.ttl)
+    store = EtcdV3Store(client, f"{run_prefix}/store", codec=codec, lease_ttl=config.ttl)
     return backend, store
 
 
@@ -305,7 +163,19 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 log.warning("rendezvous_heartbeat_failed", error=str(exc))
 
     def shutdown(self) -> bool:
+        """Close the rendezvous for every node, unless a signal is stopping this agent.
+
+        torch 2.6's agent also calls ``shutdown()`` while it handles the
+        ``SignalException`` of a SIGTERM (``LocalElasticAgent._shutdown``; 2.13
+        does not). Closing then would end the whole job when one node is
+        preempted, which torchrun's launcher itself avoids by skipping
+        ``shutdown()`` on a signal. So a signalled agent only leaves.
+        """
         try:
+            if isinstance(sys.exc_info()[1], SignalException):
+                self._stop_heartbeats()
+                log.info("rendezvous_left_on_signal", run_id=self.settings.run_id)
+                return True
             return super().shutdown()
         finally:
             # Otherwise the key stays until the run's lease expires, read by every prune.
@@ -355,7 +225,10 @@ def create_handler(
                             train       etcd role readwrite on this prefix
     ttl                     7200 s      lease of every key, renewed on write: abandoned
                                         runs clean themselves up
-    secret_file             env         HMAC key file; default ``ELASTIC_TRAIN_RDZV_SECRET``
+    secret_file             env         job secret file (at least 32 bytes): signs every
+                                        value; default ``ELASTIC_TRAIN_RDZV_SECRET``
+    insecure                false       ``true``: no secret, values unsigned (warned at
+                                        every start); without it a secret is required
     join_timeout            600 s       also how long a rendezvous rides out an etcd outage
     last_call_timeout       1 s [30]    survivors of a failure leave their round within
                                         ~0.3 s of each other; 1 s gathers them in one
@@ -381,6 +254,8 @@ def create_handler(
     configure_logging_if_unconfigured()  # the agent's own events: JSON, secrets redacted
     register_secret(params.config.get("password"))
     config = parse_config(params, extra_keys=extra_keys)
+    if config.secret is not None:  # from a file, so log.py does not know it yet
+        register_secret(config.secret.decode(errors="replace"))
     backend, store = _create_backend(params, config)
     settings = config.handler
     timeout = RendezvousTimeout(

@@ -15,11 +15,16 @@ from typing import Any
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_train.etcd.client import EtcdClientConfig
+from elastic_train.etcd.codec import MIN_SECRET_BYTES, ValueCodec
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
 
 SECRET_ENV = "ELASTIC_TRAIN_RDZV_SECRET"
+_MAKE_SECRET = (
+    "make one with `openssl rand -hex 32 > secret && chmod 600 secret` or "
+    '`python -c "import secrets; print(secrets.token_hex(32))"`'
+)
 
 
 @dataclass(frozen=True)
@@ -42,12 +47,15 @@ class RendezvousConfig:
     key_prefix: str = "/elastic_train"
     ttl: int = 7200
     secret: bytes | None = field(default=None, repr=False)
+    #: rdzv-conf ``insecure=true``: run unsigned when there is no secret
+    insecure: bool = False
     handler: HandlerSettings = HandlerSettings()
 
 
 _CLIENT_KEYS = ("protocol", "cacert", "cert", "key", "username", "password")
 _ACCEPTED_KEYS = frozenset(
     {*_CLIENT_KEYS, "dial_timeout", "read_timeout", "key_prefix", "ttl", "secret_file"}
+    | {"insecure"}
     | set(HandlerSettings.__dataclass_fields__)
     # torchrun's launcher always adds "timeout"; the dynamic handler ignores it.
     | {"timeout"}
@@ -100,8 +108,48 @@ def parse_config(
         key_prefix=key_prefix,
         ttl=int(_number(params, "ttl", 7200, int)),
         secret=_read_secret(params.get("secret_file")),
+        insecure=_flag(params, "insecure"),
         handler=handler,
     )
+
+
+def value_codec(config: RendezvousConfig) -> ValueCodec:
+    """The codec that signs and checks every value of the job in etcd.
+
+    Without a secret the agent refuses to start, unless ``insecure=true`` asks
+    for unsigned values; that is logged (``rendezvous_insecure``) at every start,
+    because anyone who can write the job's etcd keys can then run code on every
+    agent (docs/rendezvous.md).
+    """
+    if config.secret is not None:
+        if config.insecure:
+            log.warning(
+                "rendezvous_insecure_ignored", reason="a job secret is set: values are signed"
+            )
+        return ValueCodec(config.secret)
+    if not config.insecure:
+        raise ValueError(
+            "no rendezvous secret: every value the agents keep in etcd is signed with a job "
+            f"secret of at least {MIN_SECRET_BYTES} bytes. Give the same one to every agent "
+            f"in rdzv-conf secret_file=PATH or in the environment variable {SECRET_ENV} "
+            f"({_MAKE_SECRET}), or pass rdzv-conf insecure=true to run unsigned (then anyone "
+            "who can write the job's etcd keys can run code on every agent)"
+        )
+    log.warning(
+        "rendezvous_insecure",
+        risk="values in etcd are unsigned: anyone who can write the job's keys can run code "
+        "on every agent",
+        fix=f"give every agent rdzv-conf secret_file=PATH or {SECRET_ENV}",
+    )
+    return ValueCodec(None)
+
+
+def _flag(params: RendezvousParameters, key: str) -> bool:
+    raw = params.get(key, "false")
+    text = str(raw).strip().lower()
+    if text not in ("true", "false"):
+        raise ValueError(f"rdzv-conf {key}={raw!r} is invalid; accepted values: true, false")
+    return text == "true"
 
 
 def _number(params: RendezvousParameters, key: str, default: Any, kind: type) -> Any:
@@ -120,13 +168,22 @@ def _number(params: RendezvousParameters, key: str, default: Any, kind: type) ->
 
 
 def _read_secret(secret_file: str | None) -> bytes | None:
+    """The job secret from ``secret_file``, else from the environment; surrounding
+    whitespace (the newline ``openssl`` writes) is not part of it."""
     if secret_file:
         try:
             secret = Path(secret_file).read_bytes().strip()
         except OSError as exc:
             raise ValueError(f"secret_file={secret_file!r} cannot be read: {exc.strerror}") from exc
-        if not secret:
-            raise ValueError(f"secret_file={secret_file!r} is empty; it must hold the job secret")
-        return secret
+        return _checked_secret(secret, f"secret_file={secret_file!r}")
     from_env = os.environ.get(SECRET_ENV, "").strip()
-    return from_env.encode() if from_env else None
+    return _checked_secret(from_env.encode(), SECRET_ENV) if from_env else None
+
+
+def _checked_secret(secret: bytes, source: str) -> bytes:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the rendezvous secret in {source} is {len(secret)} bytes; it must be at least "
+            f"{MIN_SECRET_BYTES} bytes: {_MAKE_SECRET}"
+        )
+    return secret

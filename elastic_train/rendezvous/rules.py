@@ -19,8 +19,8 @@ The rules here:
    (:func:`keep_alive_while_awaited`, :class:`WatchedStateHolder`). While
    training runs and nobody waits, agents stay silent and nobody is pruned:
    rule 1 ends the round of a dead participant as soon as a survivor restarts.
-   When a node starts waiting (to join, or as a spare), it starts the
-   participants' clocks; live participants then heartbeat every
+   When a node starts waiting (to join, or as a spare), the participants'
+   clocks start; live participants then heartbeat every
    ``keep_alive_interval``, and dead ones are pruned after
    ``keep_alive_interval x keep_alive_max_attempt`` as in torch. That is what
    lets a job whose nodes all died (no survivor to apply rule 1) restart.
@@ -29,10 +29,14 @@ The rules here:
    (:meth:`WatchedStateHolder.beat`). torch rewrites the one shared state for
    every heartbeat, by compare-and-swap, so K joining agents spend K writes a
    second on heartbeats alone and every one of them makes the others' joins
-   retry; at K = 64 the joins starved. A node's heartbeat is now the later of
-   the time in the state (set when it joins or is listed) and the time in its
-   key. The keys are read only when some node would be pruned on the state's
-   time, so nobody reads them while training runs.
+   retry; at K = 64 the joins starved. The keys are read only when some node
+   is close to being pruned on what is known, so nobody reads them while
+   training runs.
+
+Who is alive is judged on each agent's own monotonic clock, never by comparing
+another host's timestamp with this one's
+(:class:`~elastic_train.rendezvous.liveness.Liveness`), so a skewed clock
+evicts nobody.
 
 And two mechanical changes: instead of sleeping 1 s whenever it has to wait,
 the join loop wakes on the next change of the state key (the backend watches
@@ -42,7 +46,6 @@ named without ``inspect.stack()`` (:func:`record_event`).
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 import time
@@ -62,20 +65,20 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _BackendRendezvousStateHolder,
     _DistributedRendezvousOpExecutor,
     _NodeDesc,
+    _remove_participant_epilogue,
     _RendezvousContext,
     _RendezvousState,
 )
 
 from elastic_train.log import get_logger
+from elastic_train.rendezvous.liveness import HeartbeatKeys, Liveness, node_name
 
 __all__ = [
     "ChangeWaiter",
     "FastOpExecutor",
-    "HeartbeatKeys",
     "WatchedStateHolder",
     "awaited",
     "keep_alive_while_awaited",
-    "node_name",
     "record_event",
     "round_ended",
 ]
@@ -102,20 +105,6 @@ def _backoff(conflicts: int) -> None:
 class ChangeWaiter(Protocol):
     def wait_for_change(self, timeout: float) -> bool:
         """Block until the state changed since it was last read, or ``timeout`` passed."""
-
-
-class HeartbeatKeys(Protocol):
-    """One key per node holding its last heartbeat (rule 3)."""
-
-    def beat(self, node: str, when: datetime) -> None:
-        """Record ``node``'s heartbeat at ``when``."""
-
-    def heartbeats(self) -> dict[str, datetime]:
-        """Every node's last recorded heartbeat, by :func:`node_name`."""
-
-
-def node_name(node: _NodeDesc) -> str:
-    return f"{node.addr}_{node.pid}_{node.local_id}"
 
 
 def record_event(
@@ -172,74 +161,50 @@ def keep_alive_while_awaited(ctx: _RendezvousContext, deadline: float) -> _Actio
 
 class WatchedStateHolder(_BackendRendezvousStateHolder):
     """torch's state holder, reading on every sync (the backend serves a watched
-    copy, so a read costs etcd nothing) and applying rules 2 and 3 when it prunes."""
+    copy, so a read costs etcd nothing) and pruning on this agent's own clock
+    (:class:`~elastic_train.rendezvous.liveness.Liveness`, rules 2 and 3)."""
 
     def __init__(
         self, backend: RendezvousBackend, settings: RendezvousSettings, *, heartbeats: HeartbeatKeys
     ) -> None:
         super().__init__(backend, settings, cache_duration=0)
-        self._heartbeats = heartbeats
-        self._keyed_beats: dict[str, datetime] = {}  # as last read, plus this node's own
-        self._read_at = -math.inf
+        interval = settings.keep_alive_interval.total_seconds()
+        self._liveness = Liveness(
+            expiry=interval * settings.keep_alive_max_attempt, interval=interval, keys=heartbeats
+        )
+        # Only this node's own clock ever judges whether its own heartbeat is due.
+        self._own_beat: tuple[_NodeDesc, datetime] | None = None
+        # A pruned node stays in etcd until some node writes the state, and each
+        # read prunes it again: log it once.
+        self._reported_dead: set[_NodeDesc] = set()
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         record_event(self, run_id=self._settings.run_id, message=message, node_state=node_state)
 
     def beat(self, node: _NodeDesc) -> None:
         """Rule 3: ``node``'s heartbeat goes to its own key; the state is not written."""
-        now = datetime.now(timezone.utc)
-        self._heartbeats.beat(node_name(node), now)
-        self._keyed_beats[node_name(node)] = now
-        self._state.last_heartbeats[node] = now
+        self._liveness.beat(node)
+        self._own_beat = (node, datetime.now(timezone.utc))
+        self._state.last_heartbeats[node] = self._own_beat[1]
 
     def _sanitize(self) -> None:
         state = self._state
+        if self._own_beat is not None and self._own_beat[0] in state.last_heartbeats:
+            node, when = self._own_beat
+            state.last_heartbeats[node] = max(state.last_heartbeats[node], when)
         idle = state.complete and not awaited(state)
-        expire = datetime.now(timezone.utc) - (
-            self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
-        )
-        # Rule 2: an idle round prunes only nodes outside it.
-        self._merge_keyed_beats(
-            [n for n in state.last_heartbeats if not (idle and n in state.participants)], expire
-        )
-        if not idle:
-            super()._sanitize()
-            return
-        self._dead_nodes = [
-            node
-            for node, beat in state.last_heartbeats.items()
-            if beat < expire and node not in state.participants
-        ]
+        self._dead_nodes = self._liveness.dead(state, idle=idle)
+        for node in set(self._dead_nodes) - self._reported_dead:
+            log.info("rendezvous_node_pruned", node=node_name(node), round=state.round)
+        self._reported_dead = set(self._dead_nodes)
+        removed = False
         for node in self._dead_nodes:
             del state.last_heartbeats[node]
+            removed = state.participants.pop(node, None) is not None or removed
             state.wait_list.discard(node)
             state.redundancy_list.discard(node)
-
-    def _merge_keyed_beats(self, prunable: list[_NodeDesc], expire: datetime) -> None:
-        """Rule 3: each heartbeat becomes the later of the state's and the node's key's.
-
-        The keys are read only when a node would be pruned on what is known,
-        and at most twice per ``keep_alive_interval``. A live node's key is at
-        most one interval old when read, and a read is at most half an interval
-        old when it decides, well inside the expiry of ``keep_alive_max_attempt``
-        (3) intervals.
-        """
-        beats = self._state.last_heartbeats
-        self._overlay(beats)
-        if not any(beats[node] < expire for node in prunable):
-            return
-        min_age = self._settings.keep_alive_interval.total_seconds() / 2
-        if time.monotonic() - self._read_at < min_age:
-            return
-        self._keyed_beats = self._heartbeats.heartbeats()
-        self._read_at = time.monotonic()
-        self._overlay(beats)
-
-    def _overlay(self, beats: dict[_NodeDesc, datetime]) -> None:
-        for node, beat in beats.items():
-            keyed = self._keyed_beats.get(node_name(node))
-            if keyed is not None and keyed > beat:
-                beats[node] = keyed
+        if removed:
+            _remove_participant_epilogue(state, self._settings)
 
 
 class FastOpExecutor(_DistributedRendezvousOpExecutor):
@@ -329,23 +294,6 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         if self._state.deadline is not None and self._node in self._state.participants:
             wait = min(wait, (self._state.deadline - now).total_seconds())
         return max(wait, 0.0) + 0.005  # just past the instant, so the next check passes
-
-    def _add_to_wait_list(self) -> None:
-        self._start_participants_clocks()
-        super()._add_to_wait_list()
-
-    def _add_to_redundancy_list(self) -> None:
-        self._start_participants_clocks()
-        super()._add_to_redundancy_list()
-
-    def _start_participants_clocks(self) -> None:
-        """Rule 2: from now on, participants that do not heartbeat are pruned."""
-        now = datetime.now(timezone.utc)
-        beats = self._state.last_heartbeats
-        for node in self._state.participants:
-            beat = beats.get(node)
-            if beat is None or beat < now - self._settings.keep_alive_interval:
-                beats[node] = now
 
     def _remove_from_participants(self) -> None:
         state = self._state

@@ -24,12 +24,14 @@ buffer that is being refilled, and a second set would only cost memory.
 
 Loading verifies the manifest and the checksum of the bytes *before* they reach
 ``torch.load(weights_only=True)``, so a file that is not one of our checkpoints
-is never unpickled at all.
+is never unpickled at all; the verified file is then memory-mapped, not read
+into memory a second time (``checkpoint_files.load_state``). The ranks of a
+group do not each pick their newest checkpoint: ``restore.restore_newest``
+agrees on one step and each rank calls :meth:`CheckpointManager.load` with it.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -56,8 +58,12 @@ from elastic_train.state.checkpoint_files import (
     FORMAT,
     MANIFEST,
     STATE_FILE,
+    delete_checkpoint,
+    load_state,
+    move_aside,
+    put_back,
     read_manifest,
-    read_verified,
+    remove_stale_temporaries,
     write_manifest,
     write_state,
 )
@@ -119,7 +125,7 @@ class CheckpointManager:
         self._closed = False
         if is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_temporaries()
+            remove_stale_temporaries(self.directory)
 
     # ------------------------------------------------------------------ saving
 
@@ -228,12 +234,12 @@ class CheckpointManager:
             files = write_state(temporary, state)
             self._write_manifest(temporary, step, files, metadata)
             fsync_dir(temporary)
-            replaced = self._move_aside(final)
+            replaced = move_aside(final)
             os.rename(temporary, final)  # the commit: the directory arrives complete
             fsync_dir(self.directory)
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(temporary, ignore_errors=True)
-            self._restore_replaced(final, replaced)
+            put_back(final, replaced)
             raise self._count_failure(step, exc) from exc
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
@@ -292,41 +298,9 @@ class CheckpointManager:
         doomed = complete[self.keep :] + [(s, p) for s, p, done in older if not done]
         for step, path in doomed:
             try:
-                self._delete(path)
+                delete_checkpoint(path)
             except OSError as exc:
                 log.warning("checkpoint_prune_failed", step=step, path=str(path), error=str(exc))
-
-    def _move_aside(self, final: Path) -> Path | None:
-        """Rename an older copy of this step away; it is deleted once the new one is complete."""
-        if not final.exists():
-            return None
-        aside = self.directory / f".tmp-step-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, aside)
-        return aside
-
-    def _restore_replaced(self, final: Path, replaced: Path | None) -> None:
-        """After a failed save, put back the older copy of the same step, if one was moved."""
-        if replaced is None or (final / MANIFEST).exists():
-            return
-        try:
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(replaced, final)
-        except OSError as exc:
-            log.warning("checkpoint_restore_failed", path=str(replaced), error=str(exc))
-
-    def _delete(self, path: Path) -> None:
-        # Manifest first: an interrupted delete must not leave something complete-looking.
-        (path / MANIFEST).unlink(missing_ok=True)
-        try:  # what we wrote, without rmtree's walk; anything else there takes the walk
-            (path / STATE_FILE).unlink()
-            path.rmdir()
-        except OSError:
-            shutil.rmtree(path)
-
-    def _remove_stale_temporaries(self) -> None:
-        for path in self.directory.glob(".tmp-step-*"):
-            shutil.rmtree(path, ignore_errors=True)
 
     # ----------------------------------------------------------------- loading
 
@@ -350,20 +324,37 @@ class CheckpointManager:
         An in-flight save is not included; ``flush()`` first for that. The
         checksum of the data is checked by the load itself.
         """
+        steps = self.loadable_steps(limit=1)
+        return steps[0] if steps else None
+
+    def loadable_steps(self, *, limit: int) -> list[int]:
+        """Up to ``limit`` newest steps whose manifest verifies and whose sizes match,
+        newest first: what this rank reports to the restore agreement."""
+        found: list[int] = []
         for step, path in self._step_dirs():
             try:
                 body = read_manifest(path, step)
-                if (path / STATE_FILE).stat().st_size == body["files"][STATE_FILE]["bytes"]:
-                    return step
-            except (CheckpointCorruptError, OSError):
+                size = (path / STATE_FILE).stat().st_size
+            except (CheckpointCorruptError, OSError) as exc:
+                incomplete = not (path / MANIFEST).exists()
+                reason = "incomplete" if incomplete else str(exc)
+                log.warning("checkpoint_fallback", step=step, path=str(path), reason=reason)
                 continue
-        return None
+            if size != body["files"][STATE_FILE]["bytes"]:
+                log.warning("checkpoint_fallback", step=step, path=str(path), reason="truncated")
+                continue
+            found.append(step)
+            if len(found) == limit:
+                break
+        return found
 
     def load_latest(self, *, map_location: str | torch.device) -> tuple[int, dict] | None:
         """``(step, state)`` of the newest good checkpoint, or None if there is none.
 
         Incomplete or corrupt checkpoints are skipped with a ``checkpoint_fallback``
         warning. A checkpoint from another config raises ``CheckpointMismatchError``.
+        For one process only: ranks of a group agree on a step first
+        (``restore.restore_newest``) and then each calls :meth:`load`.
         """
         for step, path in self._step_dirs():
             if not (path / MANIFEST).exists():
@@ -376,7 +367,11 @@ class CheckpointManager:
         return None
 
     def load(self, step: int, *, map_location: str | torch.device) -> dict:
-        """The state of checkpoint ``step``, verified before anything is unpickled."""
+        """The state of checkpoint ``step``, verified before anything is unpickled.
+
+        Raises ``CheckpointCorruptError`` (damaged, unreadable) or
+        ``CheckpointMismatchError`` (another config's).
+        """
         started = time.perf_counter()
         path = self._step_dir(step)
         body = read_manifest(path, step)
@@ -387,13 +382,7 @@ class CheckpointManager:
                 "a field that must not change across a resume differs; use a new "
                 "checkpoint directory or restore the original config"
             )
-        data = read_verified(path, body)
-        try:
-            state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-        except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ...
-            raise CheckpointCorruptError(
-                f"{path / STATE_FILE}: refused by torch.load ({exc})"
-            ) from exc
+        state = load_state(path, body, map_location=map_location)
         self.loaded_metadata = body["metadata"]
         metrics.checkpoint_loaded(
             step=step, seconds=time.perf_counter() - started, saved_at=body["metadata"]["wall_time"]

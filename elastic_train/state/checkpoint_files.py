@@ -5,6 +5,11 @@ The manifest lists each file's size and checksum. New checkpoints use crc32
 torn or flipped write, not an attacker, who could rewrite the manifest too;
 what keeps a hostile file from running code is ``torch.load(weights_only=True)``.
 Manifests written with sha256 (format 1) still load.
+
+A load verifies ``state.pt`` through one file descriptor, reading it in
+chunks, and then memory-maps the same inode (:func:`load_state`)
+through ``/proc/self/fd``: no second copy of the file in memory, and a file
+renamed over it after the check is not the one loaded.
 """
 
 from __future__ import annotations
@@ -12,12 +17,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
+import stat
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from elastic_train.errors import CheckpointCorruptError
-from elastic_train.state.state_io import checksum, save_hashed
+from elastic_train.log import get_logger
+from elastic_train.state.state_io import map_tensors, new_hasher, save_hashed
 
 MANIFEST = "MANIFEST.json"
 STATE_FILE = "state.pt"
@@ -26,6 +38,11 @@ FORMAT = "elastic_train.checkpoint/2"
 READABLE_FORMATS = ("elastic_train.checkpoint/1", FORMAT)
 FILE_CHECKSUM = "crc32"
 _KNOWN_CHECKSUMS = ("crc32", "sha256")
+_CHUNK = 8 << 20  # verify in 8 MiB reads: never the whole file in memory
+#: An older copy of a checkpoint moved aside while the same step is saved again.
+_ASIDE = re.compile(r"^\.tmp-step-replaced-(step-\d+)-[0-9a-f]{8}$")
+
+log = get_logger(__name__)
 
 
 def manifest_checksum(body: Mapping[str, Any]) -> str:
@@ -71,8 +88,9 @@ def read_manifest(directory: Path, step: int) -> dict[str, Any]:
     return body
 
 
-def read_verified(directory: Path, body: Mapping[str, Any]) -> bytes:
-    """The bytes of ``state.pt``, once their size and checksum match the manifest."""
+def _open_verified(directory: Path, body: Mapping[str, Any]) -> tuple[int, os.stat_result]:
+    """A descriptor of ``state.pt`` and its ``fstat``, once its size and checksum match
+    the manifest. The caller loads through this descriptor and closes it."""
     entry = body["files"][STATE_FILE]
     algorithm = next((name for name in _KNOWN_CHECKSUMS if name in entry), None)
     if algorithm is None:
@@ -80,17 +98,116 @@ def read_verified(directory: Path, body: Mapping[str, Any]) -> bytes:
             f"{directory / MANIFEST}: no checksum for {STATE_FILE} "
             f"(expected one of {', '.join(_KNOWN_CHECKSUMS)})"
         )
+    path = directory / STATE_FILE
     try:
-        data = (directory / STATE_FILE).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise CheckpointCorruptError(f"{directory / STATE_FILE}: unreadable ({exc})") from exc
-    if len(data) != entry["bytes"]:
-        raise CheckpointCorruptError(
-            f"{directory / STATE_FILE}: {len(data)} bytes but the manifest says "
-            f"{entry['bytes']} (truncated?)"
-        )
-    if checksum(data, algorithm) != entry[algorithm]:
-        raise CheckpointCorruptError(
-            f"{directory / STATE_FILE}: {algorithm} does not match the manifest"
-        )
-    return data
+        raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != entry["bytes"]:
+            raise CheckpointCorruptError(
+                f"{path}: {info.st_size} bytes but the manifest says {entry['bytes']} (truncated?)"
+            )
+        if _file_checksum(fd, algorithm) != entry[algorithm]:
+            raise CheckpointCorruptError(f"{path}: {algorithm} does not match the manifest")
+    except OSError as exc:
+        os.close(fd)
+        raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
+    except CheckpointCorruptError:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def _file_checksum(fd: int, algorithm: str) -> str:
+    hasher, offset = new_hasher(algorithm), 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    while count := os.preadv(fd, [buffer], offset):
+        hasher.update(view[:count])
+        offset += count
+    return hasher.hexdigest()
+
+
+def _unchanged(before: os.stat_result, after: os.stat_result) -> bool:
+    """Whether two ``fstat`` results of one file show no write between them."""
+    fields = ("st_ino", "st_dev", "st_size", "st_mtime_ns", "st_ctime_ns")
+    return all(getattr(before, name) == getattr(after, name) for name in fields)
+
+
+def load_state(path: Path, body: dict[str, Any], *, map_location: str | torch.device) -> dict:
+    """``torch.load(weights_only=True, mmap=True)`` of the verified ``state.pt``.
+
+    Mapped, the file is never in memory twice (bytes and tensors): the pages
+    are the page cache's, which the ranks of a node share. Loaded through the
+    descriptor that was verified, so a file renamed over it meanwhile is not
+    what gets unpickled, and an in-place write to it in between is detected
+    by ``fstat`` (``_unchanged``). Tensors left in host memory are then copied
+    out of the mapping: a mapped page read later from a file that rank 0
+    has pruned meanwhile would be a SIGBUS on network storage.
+    """
+    fd, before = _open_verified(path, body)
+    source = f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}") else path / STATE_FILE
+    try:
+        state = torch.load(source, map_location=map_location, weights_only=True, mmap=True)
+        changed = not _unchanged(before, os.fstat(fd))
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ...
+        raise CheckpointCorruptError(f"{path / STATE_FILE}: refused by torch.load ({exc})") from exc
+    finally:
+        os.close(fd)
+    if changed:
+        raise CheckpointCorruptError(f"{path / STATE_FILE}: changed while it was loaded")
+    return map_tensors(
+        state, lambda tensor: tensor.clone() if tensor.device.type == "cpu" else tensor
+    )
+
+
+# ------------------------------------------- replacing and removing step directories
+
+
+def move_aside(final: Path) -> Path | None:
+    """Rename an older copy of this step away; it is deleted once the new one is complete."""
+    if not final.exists():
+        return None
+    aside = final.parent / f".tmp-step-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(final, aside)
+    return aside
+
+
+def put_back(final: Path, replaced: Path | None) -> None:
+    """After a failed save, put back the older copy of the same step, if one was moved."""
+    if replaced is None or (final / MANIFEST).exists():
+        return
+    try:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(replaced, final)
+    except OSError as exc:
+        log.warning("checkpoint_restore_failed", path=str(replaced), error=str(exc))
+
+
+def delete_checkpoint(path: Path) -> None:
+    # Manifest first: an interrupted delete must not leave something complete-looking.
+    (path / MANIFEST).unlink(missing_ok=True)
+    try:  # what we wrote, without rmtree's walk; anything else there takes the walk
+        (path / STATE_FILE).unlink()
+        path.rmdir()
+    except OSError:
+        shutil.rmtree(path)
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Remove what dead saves left, but put back a complete checkpoint that a
+    re-save had moved aside (:func:`move_aside`) when it died before its commit."""
+    for path in directory.glob(".tmp-step-*"):
+        aside = _ASIDE.match(path.name)
+        final = directory / aside.group(1) if aside else None
+        if final is not None and (path / MANIFEST).exists() and not final.exists():
+            try:
+                os.rename(path, final)
+                log.warning("checkpoint_replace_undone", path=str(final))
+                continue
+            except OSError as exc:
+                log.warning("checkpoint_restore_failed", path=str(path), error=str(exc))
+        shutil.rmtree(path, ignore_errors=True)

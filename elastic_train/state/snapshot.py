@@ -17,6 +17,14 @@ bytes and the JSON of everything else (``snapshot_layout``), computes a
 checksum, writes the header (magic, step, sizes, checksum, fingerprint) and
 only then flips HEAD. A process killed at any point leaves HEAD naming a
 complete slot; a slot without a header or whose checksum fails is never used.
+
+Every process that opens the directory, reader or writer, first checks it
+through one file descriptor opened with ``O_NOFOLLOW``: a directory, owned by
+our uid, no access for group or others. Its files are opened relative to that
+descriptor, again with ``O_NOFOLLOW``, and must be regular files of our uid.
+Anything else is refused (``SnapshotRefusedError``); a damaged or foreign slot
+is skipped with a warning naming it, so a restore falls through to the other
+slot, a peer's snapshot or the disk instead of failing.
 """
 
 from __future__ import annotations
@@ -27,7 +35,6 @@ import mmap
 import os
 import re
 import shutil
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,18 +42,18 @@ from typing import Any
 
 import torch
 
-from elastic_train.errors import CheckpointError, SnapshotError
+from elastic_train.errors import SnapshotError, SnapshotRefusedError
 from elastic_train.log import get_logger
 from elastic_train.state.snapshot_layout import (
     HEADER_BYTES,
-    MAGIC,
     SlotEncoder,
     SlotMapping,
-    decode,
-    parse_header,
+    decode_checked,
     slot_end,
     sum64,
+    verify,
 )
+from elastic_train.state.state_io import open_owned_file, open_private_directory
 
 __all__ = [
     "SnapshotStats",
@@ -67,13 +74,6 @@ class SnapshotStats:
     step: int
     seconds: float
     bytes: int
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 class SnapshotStore:
@@ -99,6 +99,7 @@ class SnapshotStore:
         self.last_stats: SnapshotStats | None = None
         self._maps: dict[int, SlotMapping] = {}
         self._head: tuple[int, int] | None = None  # (slot, step) this writer last flipped to
+        self._dir_fd: int | None = None  # the checked directory; every file opens relative to it
         self._lock_fd: int | None = None
         self._head_fd: int | None = None
         self._encoder = SlotEncoder(fingerprint)
@@ -108,26 +109,43 @@ class SnapshotStore:
     def _make_private_directory(self) -> None:
         try:
             self.directory.mkdir(mode=0o700, exist_ok=True)
-            info = self.directory.lstat()
         except OSError as exc:
             raise SnapshotError(
                 f"cannot create snapshot directory {self.directory}: {exc}"
             ) from exc
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise SnapshotError(f"{self.directory} exists but is not a directory owned by us")
-        # mkdir's mode is filtered by the umask and ignored for an existing directory.
-        os.chmod(self.directory, 0o700)
+        if not self._open_directory():
+            raise SnapshotError(f"snapshot directory {self.directory} vanished as it was made")
+        # mkdir's mode is filtered by the umask (0700 or less), and a kept
+        # directory passed the check: neither grants group or others anything.
+        os.fchmod(self._dir_fd, 0o700)  # type: ignore[arg-type]
         # Two writers would flip one HEAD between their slots. The lock dies
         # with its process, so a restarted worker takes it over at once.
-        self._lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = self._open("LOCK", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             os.close(self._lock_fd)
+            self._lock_fd = None
             raise SnapshotError(
                 f"another process writes snapshots to {self.directory}; nodes that share "
                 "/dev/shm need distinct run_ids (e.g. f'{run_id}.{node}')"
             ) from exc
+
+    def _open_directory(self) -> bool:
+        """Open and check the directory once (``open_private_directory``); False
+        where it does not exist (yet). Raises ``SnapshotRefusedError``."""
+        if self._dir_fd is None:
+            self._dir_fd = open_private_directory(self.directory)
+        return self._dir_fd is not None
+
+    def _open(self, name: str, flags: int) -> int:
+        return open_owned_file(self._dir_fd, name, flags, where=self.directory)  # type: ignore[arg-type]
+
+    def _file_size(self, name: str) -> int:
+        try:
+            return os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return 0
 
     # ------------------------------------------------------------------ saving
 
@@ -176,9 +194,9 @@ class SnapshotStore:
         return slot, end
 
     def _check_fits(self, size: int, *, active: int | None) -> None:
-        active_size = _file_size(self._slot_path(active)) if active is not None else 0
-        reusable = _file_size(self._slot_path(1 - active if active is not None else 0))
-        vfs = os.statvfs(self.directory)
+        active_size = self._file_size(_slot_name(active)) if active is not None else 0
+        reusable = self._file_size(_slot_name(1 - active if active is not None else 0))
+        vfs = os.fstatvfs(self._dir_fd)  # type: ignore[arg-type]
         available = vfs.f_bavail * vfs.f_frsize + reusable
         if self.max_bytes is not None:
             available = min(available, self.max_bytes - active_size)
@@ -205,9 +223,9 @@ class SnapshotStore:
 
     def _map_slot(self, slot: int, size: int) -> SlotMapping:
         """A fresh mapping of the slot, header erased first, every page allocated."""
-        fd = os.open(self._slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = self._open(_slot_name(slot), os.O_RDWR | os.O_CREAT)
         try:
-            if _file_size(self._slot_path(slot)) >= HEADER_BYTES:
+            if os.fstat(fd).st_size >= HEADER_BYTES:
                 os.pwrite(fd, _ZEROS, 0)
             self._unmap(slot)
             os.ftruncate(fd, size)
@@ -233,93 +251,110 @@ class SnapshotStore:
         # completes inside the syscall). Readers never race the writer: they
         # read at a (re)start, before the new writer's first save.
         if self._head_fd is None:
-            self._head_fd = os.open(self.directory / "HEAD", os.O_WRONLY | os.O_CREAT, 0o600)
+            self._head_fd = self._open("HEAD", os.O_WRONLY | os.O_CREAT)
         os.pwrite(self._head_fd, f'{{"slot": {slot}, "step": {step:20d}}}\n'.encode(), 0)
         self._head = (slot, step)
 
     # ----------------------------------------------------------------- loading
 
-    def _slot_path(self, slot: int) -> Path:
-        return self.directory / f"slot-{slot}"
-
     def _read_head(self) -> tuple[int, int] | None:
         try:
-            head = json.loads((self.directory / "HEAD").read_text())
-            slot, step = head["slot"], head["step"]
+            fd = self._open("HEAD", os.O_RDONLY)
         except FileNotFoundError:
             return None
+        except (OSError, SnapshotError) as exc:  # ELOOP: a symlink
+            log.warning("snapshot_refused", path=str(self.directory / "HEAD"), reason=str(exc))
+            return None
+        try:
+            head = json.loads(os.pread(fd, 4096, 0))
+            slot, step = head["slot"], head["step"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("snapshot_head_unreadable", path=str(self.directory), error=str(exc))
             return None
+        finally:
+            os.close(fd)
         return (slot, step) if slot in (0, 1) and isinstance(step, int) else None
 
-    def _read_slot(self, slot: int) -> tuple[dict[str, Any], bytearray]:
-        """(header, bytes) of a complete slot whose checksum verifies."""
-        path = self._slot_path(slot)
+    def _read_slot(self, slot: int) -> tuple[dict[str, Any], mmap.mmap]:
+        """(header, bytes) of a complete slot whose checksums and fingerprint verify.
+
+        The bytes are a private (copy-on-write) mapping: verifying and decoding
+        a slot copies nothing but the decoded tensors.
+        """
+        name = str(self.directory / _slot_name(slot))
         try:
-            raw = bytearray(path.read_bytes())
+            fd = self._open(_slot_name(slot), os.O_RDONLY)
         except OSError as exc:
-            raise SnapshotError(f"{path}: unreadable ({exc})") from exc
-        if raw[: len(MAGIC)] != MAGIC:
-            if raw[: len(MAGIC) - 2] == MAGIC[:-2]:  # ETSNAP<version>\n
-                found = bytes(raw[: len(MAGIC)]).decode(errors="replace").strip()
-                raise SnapshotError(
-                    f"{path}: format {found}, this version reads {MAGIC.decode().strip()}"
-                )
-            raise SnapshotError(f"{path}: no header (torn or never completed)")
+            raise SnapshotError(f"{name}: unreadable ({exc})") from exc
         try:
-            header, end, digest = parse_header(raw)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SnapshotError(f"{path}: unreadable header ({exc})") from exc
-        region = torch.frombuffer(raw, dtype=torch.uint8)[HEADER_BYTES:end]
-        if len(raw) < end or sum64(region) != digest:
-            raise SnapshotError(f"{path}: data does not match its header (torn write)")
-        if header.get("fingerprint") != self.fingerprint:
-            raise SnapshotError(
-                f"{path}: written under config fingerprint {header.get('fingerprint')!r}, "
-                f"this run's is {self.fingerprint!r}"
-            )
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise SnapshotError(f"{name}: no header (torn or never completed)")
+            raw = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        except OSError as exc:
+            raise SnapshotError(f"{name}: unreadable ({exc})") from exc
+        finally:
+            os.close(fd)
+        header, _ = verify(raw, fingerprint=self.fingerprint, name=name)
         return header, raw
 
-    def _newest_valid(self) -> tuple[dict[str, Any], bytearray] | None:
+    def _newest_valid(self, *, below: int | None = None) -> tuple[dict[str, Any], mmap.mmap] | None:
+        """The newest verified published slot, of a step below ``below`` when given.
+
+        HEAD names the current slot; the other one is a fallback only if it is
+        older. A newer one was written but its save died before publishing it,
+        so no one vouched for it: it is never used.
+        """
+        try:
+            if not self._open_directory():
+                return None
+        except SnapshotRefusedError as exc:
+            log.warning("snapshot_refused", path=str(self.directory), reason=str(exc))
+            return None
         head = self._read_head()
         if head is None:
             return None
-        # HEAD names the current slot. The other is used only if the current
-        # one is damaged, and only if it is older: a newer one was written but
-        # its save died before publishing it, so no one vouched for it.
-        try:
-            return self._read_slot(head[0])
-        except SnapshotError as exc:
-            log.warning("snapshot_slot_invalid", slot=head[0], reason=str(exc))
-        try:
-            header, raw = self._read_slot(1 - head[0])
-        except SnapshotError as exc:
-            log.warning("snapshot_slot_invalid", slot=1 - head[0], reason=str(exc))
-            return None
-        if header["step"] >= head[1]:
-            log.warning("snapshot_slot_uncommitted", slot=1 - head[0], step=header["step"])
-            return None
-        return header, raw
+        current, published = head
+        for slot in (current, 1 - current):
+            try:
+                header, raw = self._read_slot(slot)
+            except SnapshotError as exc:
+                log.warning("snapshot_refused", slot=slot, reason=str(exc))
+                continue
+            if slot != current and header["step"] >= published:
+                log.warning("snapshot_slot_uncommitted", slot=slot, step=header["step"])
+                continue
+            if below is None or header["step"] < below:
+                return header, raw
+        return None
 
     def latest_step(self) -> int | None:
         """The step of the newest complete, checksum-verified snapshot on this node."""
         found = self._newest_valid()
         return found[0]["step"] if found else None
 
-    def load(self, *, map_location: str | torch.device) -> tuple[int, dict] | None:
-        """``(step, state)`` of the newest valid snapshot here, or None; never a torn one."""
-        found = self._newest_valid()
-        if found is None:
-            return None
-        header, raw = found
-        step = header["step"]
-        try:
-            state = decode(raw, header, map_location=map_location)
-        except (CheckpointError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
-            raise SnapshotError(f"snapshot of step {step} is unreadable: {exc}") from exc
-        log.info("snapshot_loaded", step=step, path=str(self.directory))
-        return step, state
+    def load(
+        self, *, map_location: str | torch.device, step: int | None = None
+    ) -> tuple[int, dict] | None:
+        """``(step, state)`` of the newest valid snapshot here (of ``step`` when
+        given), or None; never a torn, damaged or foreign one. A slot that
+        verifies but does not decode is skipped like a damaged one."""
+        below = None if step is None else step + 1
+        while (found := self._newest_valid(below=below)) is not None:
+            header, raw = found
+            if step is not None and header["step"] != step:
+                return None
+            try:
+                state = decode_checked(
+                    raw, header, name=str(self.directory), map_location=map_location
+                )
+            except SnapshotError as exc:
+                log.warning("snapshot_refused", step=header["step"], reason=str(exc))
+                below = header["step"]
+                continue
+            log.info("snapshot_loaded", step=header["step"], path=str(self.directory))
+            return header["step"], state
+        return None
 
     def remove(self) -> None:
         """Delete this run's snapshots (at run completion)."""
@@ -337,3 +372,10 @@ class SnapshotStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+
+def _slot_name(slot: int) -> str:
+    return f"slot-{slot}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import stat
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -20,7 +21,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
-from elastic_train.errors import CheckpointError
+from elastic_train.errors import CheckpointError, SnapshotRefusedError
 
 # Plain values torch.load(weights_only=True) accepts as they are.
 _ATOMIC = (str, bytes, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
@@ -80,12 +81,6 @@ def new_hasher(algorithm: str) -> Any:
     return _Crc32() if algorithm == "crc32" else hashlib.new(algorithm)
 
 
-def checksum(data: bytes | memoryview, algorithm: str) -> str:
-    hasher = new_hasher(algorithm)
-    hasher.update(data)
-    return hasher.hexdigest()
-
-
 class HashingWriter:
     """A file wrapper that hashes what torch.save writes, so the file is read zero times."""
 
@@ -117,6 +112,55 @@ def save_hashed(state: Any, file: BinaryIO, *, algorithm: str) -> tuple[str, int
     except RuntimeError as exc:
         raise (writer.error or exc) from exc
     return writer.hasher.hexdigest(), writer.size
+
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _distrust(info: os.stat_result, *, is_dir: bool) -> str | None:
+    """Why a file or directory of ours cannot be trusted, or None when it can."""
+    if not (stat.S_ISDIR(info.st_mode) if is_dir else stat.S_ISREG(info.st_mode)):
+        return f"not a {'directory' if is_dir else 'regular file'}"
+    if info.st_uid != os.getuid():
+        return f"owned by uid {info.st_uid}, not by us (uid {os.getuid()})"
+    if is_dir and stat.S_IMODE(info.st_mode) & 0o077:
+        return f"mode {stat.S_IMODE(info.st_mode):04o} lets others in, expected 0700"
+    return None
+
+
+def open_private_directory(path: Path) -> int | None:
+    """A descriptor of ``path`` once it is a directory of our uid closed to group
+    and others; None where it does not exist.
+
+    Opened with ``O_NOFOLLOW`` and checked with ``fstat`` on that descriptor,
+    so a symlink is refused and nothing can be swapped in between the check
+    and the use (open its files with :func:`open_owned_file`). Raises
+    ``SnapshotRefusedError`` naming the path and the reason.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symlink; ENOTDIR: not a directory; EACCES
+        raise SnapshotRefusedError(
+            f"{path} refused: {exc.strerror} (a symlink, or not a directory?); remove it"
+        ) from exc
+    problem = _distrust(os.fstat(fd), is_dir=True)
+    if problem is not None:
+        os.close(fd)
+        raise SnapshotRefusedError(f"{path} refused: {problem}; remove it")
+    return fd
+
+
+def open_owned_file(dir_fd: int, name: str, flags: int, *, where: Path) -> int:
+    """``os.open`` of ``name`` in a checked directory: no symlink followed, and it must
+    be a regular file of our uid (``SnapshotRefusedError`` otherwise)."""
+    fd = os.open(name, flags | _NOFOLLOW, 0o600, dir_fd=dir_fd)
+    problem = _distrust(os.fstat(fd), is_dir=False)
+    if problem is not None:
+        os.close(fd)
+        raise SnapshotRefusedError(f"{where / name} refused: {problem}")
+    return fd
 
 
 def fsync_dir(path: Path) -> None:

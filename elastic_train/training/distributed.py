@@ -25,6 +25,9 @@ from elastic_train.metrics import node_name_from
 
 log = get_logger(__name__)
 
+#: An attempt id is 12 hex digits: 48 random bits, which fit an int64 tensor.
+_ATTEMPT_ID_MASK = (1 << 48) - 1
+
 
 @dataclass(frozen=True)
 class WorkerEnv:
@@ -156,10 +159,15 @@ def init_distributed(env: WorkerEnv, cfg: ElasticConfig) -> DistContext:
 
 
 def broadcast_attempt_id(ctx: DistContext) -> str:
-    """A fresh id for this (re)start, the same on every rank (rank 0 draws it)."""
-    holder = [uuid.uuid4().hex[:12] if ctx.is_main else None]
-    dist.broadcast_object_list(holder, src=0, device=ctx.device)
-    return str(holder[0])
+    """A fresh id for this (re)start, the same on every rank (rank 0 draws it).
+
+    The 48 random bits travel as one integer in a tensor, not as a pickled
+    object (``broadcast_object_list``): no rank unpickles a peer's bytes.
+    """
+    drawn = uuid.uuid4().int & _ATTEMPT_ID_MASK if ctx.is_main else 0
+    holder = torch.tensor([drawn], dtype=torch.int64, device=ctx.device)
+    dist.broadcast(holder, src=0)
+    return f"{int(holder.item()):012x}"
 
 
 def teardown() -> None:

@@ -16,6 +16,11 @@ all-reduced with SUM (``x + 0`` is exact), and every rank then sums it in the
 same order a single process does. Correct predictions and counts are integer
 sums. The result therefore equals a single-process evaluation bit for bit.
 
+With ``loss_form="sum_count"`` the loss is ``loss_fn(model, batch) -> (loss_sum,
+count)`` on batches of any structure (``collate_fn``), and the result is the
+loss per unit (e.g. per token): the sum of the losses over the sum of the
+counts, each summed the same exact way; there is no accuracy then.
+
 The unwrapped module is evaluated, never the DDP wrapper: DDP's forward may
 broadcast buffers, a collective that would deadlock when ranks evaluate
 different numbers of micro-batches.
@@ -32,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
+from elastic_train.training.batches import to_device
 from elastic_train.training.sampler import ElasticSampler
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,7 +45,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class EvalResult:
-    loss: float  # mean per-sample loss
+    loss: float  # mean loss per sample (per unit with a sum_count loss)
     accuracy: float | None  # None when the targets are not class labels
     samples: int
     correct: int
@@ -87,35 +93,47 @@ def evaluate(
     device: torch.device | str = "cpu",
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     group: dist.ProcessGroup | None = None,
+    loss_form: str = "per_sample",
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> EvalResult:
     """Evaluate ``model`` on ``dataset``; a collective when ``world_size > 1``."""
     module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     device = torch.device(device)
     batches = micro_batches(len(dataset), batch_size)  # type: ignore[arg-type]
     mine = ElasticSampler.shard(list(range(len(batches))), rank, world_size)
-    loss_sums = torch.zeros(len(batches), dtype=torch.float64, device=device)
+    # Row 0: each micro-batch's loss sum; row 1: its units (samples or counted units).
+    sums = torch.zeros(2, len(batches), dtype=torch.float64, device=device)
     counts = torch.zeros(3, dtype=torch.int64, device=device)  # samples, correct, predictions
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
             for b in mine:
-                inputs, target = default_collate([dataset[i] for i in batches[b]])
-                inputs, target = inputs.to(device), target.to(device)
-                with autocast():
-                    output = module(inputs)
-                    loss = loss_fn(output, target)
-                loss_sums[b] = _per_sample_loss(loss, len(batches[b])).sum()
-                correct, predictions = _classification_counts(output, target)
+                items = [dataset[i] for i in batches[b]]
+                batch = to_device((collate_fn or default_collate)(items), device)
+                correct, predictions = 0, 0
+                if loss_form == "sum_count":
+                    with autocast():
+                        loss_sum, units = loss_fn(module, batch)
+                    sums[0, b], sums[1, b] = loss_sum.detach().double(), float(units)
+                else:
+                    inputs, target = batch
+                    with autocast():
+                        output = module(inputs)
+                        loss = loss_fn(output, target)
+                    sums[0, b] = _per_sample_loss(loss, len(batches[b])).sum()
+                    sums[1, b] = len(batches[b])
+                    correct, predictions = _classification_counts(output, target)
                 counts += torch.tensor([len(batches[b]), correct, predictions], device=device)
     finally:
         module.train(was_training)
     if world_size > 1:
-        dist.all_reduce(loss_sums, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     samples, correct, predictions = (int(v) for v in counts.tolist())
+    units = float(sums[1].sum().item())
     return EvalResult(
-        loss=float(loss_sums.sum().item()) / max(samples, 1),
+        loss=float(sums[0].sum().item()) / units if units > 0 else 0.0,
         accuracy=correct / predictions if predictions else None,
         samples=samples,
         correct=correct,

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LRScheduler
 
 from elastic_train.audit import AuditWriter, write_result
 from elastic_train.config.job import JobConfig
@@ -39,14 +38,17 @@ from elastic_train.errors import CheckpointWriteError
 from elastic_train.log import get_logger
 from elastic_train.metrics import WorkerMetrics
 from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.training.batches import BatchLoader
 from elastic_train.training.comm_hooks import CommHook
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
 from elastic_train.training.evaluate import evaluate
 from elastic_train.training.guards import LoopGuards, build_eval_set
+from elastic_train.training.losses import TrainingLoss, check_first_micro_batch
 from elastic_train.training.optim import (
     build_optimizer,
     build_scheduler,
     global_batch_size,
+    restore_learning_rates,
     total_steps,
 )
 from elastic_train.training.precision import Precision
@@ -54,12 +56,11 @@ from elastic_train.training.rng import capture_rng_state, restore_rng_state
 from elastic_train.training.sampler import ElasticSampler
 from elastic_train.training.state_sync import NodeSnapshots, open_snapshots, restore_state
 from elastic_train.training.step import run_step
-from elastic_train.workload.datasets import DataBundle, load_batch
-from elastic_train.workload.registry import DATASETS, LOSSES, MODELS
+from elastic_train.workload.datasets import DataBundle
+from elastic_train.workload.registry import DATASETS, MODELS
 
 log = get_logger(__name__)
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: In the checkpoint directory: the last completed step (see ProgressMarker).
 PROGRESS_FILE = "progress.json"
 #: Evaluation chunk for the final loss: fixed, so the number is the same in every run.
@@ -74,9 +75,10 @@ class Trainer:
     ctx: DistContext
     data: DataBundle
     model: nn.Module
-    loss_fn: LossFn
+    loss: TrainingLoss
+    batches: BatchLoader  # micro-batches by index, collated, on the device
     optimizer: torch.optim.Optimizer
-    scheduler: LambdaLR
+    scheduler: LRScheduler
     sampler: ElasticSampler
     checkpoint: CheckpointManager | None
     audit: AuditWriter | None
@@ -123,6 +125,12 @@ def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
     model = MODELS.resolve(cfg.model.name)(cfg.model, data.info).to(ctx.device)
     optimizer = build_optimizer(cfg.optimizer, model)
     steps = total_steps(cfg.training, dataset_len=len(data), batch_size=batch)
+    scheduler = build_scheduler(cfg, optimizer, total=steps, world_size=ctx.world_size)
+    loss, batches = TrainingLoss(cfg.model), BatchLoader(data, cfg.data, device=ctx.device)
+    precision = Precision(cfg.training.precision, device=ctx.device)
+    # Before the first collective: a bad collate function or loss fails here, on every rank.
+    size = min(4, cfg.training.micro_batch_size or 4)  # no more than a step's forward holds
+    check_first_micro_batch(model, loss, batches, size=size, autocast=precision.autocast)
     checkpoint = None
     if cfg.checkpoint.dir:
         checkpoint = CheckpointManager(
@@ -138,11 +146,10 @@ def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
         )  # fmt: skip
     trainer = Trainer(
         cfg=cfg, ctx=ctx, data=data, model=model,
-        loss_fn=LOSSES.resolve(cfg.model.loss), optimizer=optimizer,
-        scheduler=build_scheduler(cfg, optimizer, total=steps, world_size=ctx.world_size),
+        loss=loss, batches=batches, optimizer=optimizer, scheduler=scheduler,
         sampler=ElasticSampler(len(data), global_batch_size=batch, seed=cfg.training.seed),
         checkpoint=checkpoint, audit=audit, attempt=attempt, total_steps=steps,
-        precision=Precision(cfg.training.precision, device=ctx.device),
+        precision=precision,
         comm_hook=CommHook(
             cfg.training.comm_hook, powersgd_rank=cfg.training.powersgd_rank,
             powersgd_start_iter=cfg.training.powersgd_start_iter,
@@ -218,10 +225,7 @@ def load_state_dict(t: Trainer, state: dict[str, Any]) -> None:
     t.precision.load_state_dict(state.get("precision", {}))
     t.comm_hook.load_state_dict(state.get("comm_hook", {}))
     # The optimizer came back with the LR of the old world size (per_worker mode).
-    for group, lr_lambda, base in zip(
-        t.optimizer.param_groups, t.scheduler.lr_lambdas, t.scheduler.base_lrs, strict=True
-    ):
-        group["lr"] = base * lr_lambda(t.scheduler.last_epoch)
+    restore_learning_rates(t.optimizer, t.scheduler)
 
 
 def restore(t: Trainer) -> None:
@@ -335,26 +339,27 @@ def run_evaluation(t: Trainer, *, reason: str) -> None:
     """Evaluate every sample of the evaluation set once across the ranks (a collective)."""
     with t.guards.long_operation("evaluation"):
         result = evaluate(
-            t.model, t.eval_set, loss_fn=t.loss_fn, batch_size=t.cfg.eval.batch_size,
+            t.model, t.eval_set, loss_fn=t.loss.fn, batch_size=t.cfg.eval.batch_size,
             rank=t.ctx.rank, world_size=t.ctx.world_size, device=t.ctx.device,
-            autocast=t.precision.autocast,
+            autocast=t.precision.autocast, loss_form=t.loss.form,
+            collate_fn=t.batches.collate_fn,
         )  # fmt: skip
     t.metrics.evaluated(metrics={"loss": result.loss, "accuracy": result.accuracy})
     log.info("evaluation", step=t.step, reason=reason, **result.as_dict())
 
 
 def final_loss(t: Trainer) -> float:
-    """Mean loss of the unwrapped model over the first samples; the same in every run."""
+    """Mean loss per unit of the unwrapped model over the first samples; the same in every run."""
     count = min(t.cfg.training.final_loss_samples, len(t.data))
     t.model.eval()
-    total = 0.0
+    total, units = 0.0, 0.0
     with torch.no_grad():
         for start in range(0, count, _EVAL_CHUNK):
             indices = list(range(start, min(start + _EVAL_CHUNK, count)))
-            inputs, targets = (x.to(t.ctx.device) for x in load_batch(t.data.dataset, indices))
-            total += t.loss_fn(t.model(inputs).float(), targets).sum().item()
+            loss_sum, n = t.loss.micro_batch(t.model, t.batches(indices), len(indices))
+            total, units = total + loss_sum.item(), units + float(n)
     t.model.train()
-    return total / count
+    return total / units if units > 0 else 0.0
 
 
 def finish(t: Trainer) -> TrainResult:

@@ -1,15 +1,46 @@
-"""Batch size, optimizer and learning-rate schedule from the configuration."""
+"""Batch size, optimizer and learning-rate schedule from the configuration.
+
+``optimizer.name`` and ``schedule.name`` name a built-in (AdamW or SGD; a
+warmup then constant, cosine or linear multiplier) or import a user factory:
+``optimizer(model, **optimizer.options) -> torch.optim.Optimizer`` (any
+optimizer, any parameter groups) and ``scheduler(optimizer, **schedule.options)
+-> LRScheduler``. A factory that is not callable, raises, or returns the wrong
+thing is a ConfigError naming the key, raised when the trainer is built.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
-from elastic_train.config.job import JobConfig, OptimizerConfig, ScheduleConfig, TrainingConfig
+from elastic_train.config.job import (
+    BUILTIN_OPTIMIZERS,
+    BUILTIN_SCHEDULES,
+    JobConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainingConfig,
+)
 from elastic_train.errors import ConfigError
+from elastic_train.log import get_logger
+from elastic_train.workload.registry import import_string
+
+log = get_logger(__name__)
+
+OPTIMIZER_CONTRACT = (
+    f"optimizer.name takes {', '.join(BUILTIN_OPTIMIZERS)} or an import string "
+    "package.module:factory of factory(model, **optimizer.options) -> torch.optim.Optimizer"
+)
+SCHEDULE_CONTRACT = (
+    f"schedule.name takes {', '.join(BUILTIN_SCHEDULES)} or an import string "
+    "package.module:factory of factory(optimizer, **schedule.options) -> "
+    "torch.optim.lr_scheduler.LRScheduler, stepped once per optimizer step"
+)
 
 
 def global_batch_size(cfg: TrainingConfig, world_size: int) -> int:
@@ -41,7 +72,29 @@ def lr_multiplier(cfg: ScheduleConfig, step: int, *, total: int) -> float:
     return 1.0 - (1 - cfg.min_lr_ratio) * progress
 
 
+def _call_factory(key: str, spec: str, contract: str, factory: Callable[..., Any],
+                  *args: Any, **options: Any) -> Any:  # fmt: skip
+    try:
+        return factory(*args, **options)
+    except Exception as exc:
+        raise ConfigError(
+            f"{key} = {spec!r}: the factory raised {type(exc).__name__}: {exc}; {contract}"
+        ) from exc
+
+
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if cfg.name not in BUILTIN_OPTIMIZERS:
+        factory = import_string(cfg.name, field="optimizer.name")
+        optimizer = _call_factory(
+            "optimizer.name", cfg.name, OPTIMIZER_CONTRACT, factory, model, **cfg.options
+        )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer.name = {cfg.name!r}: the factory returned a "
+                f"{type(optimizer).__name__}, not a torch.optim.Optimizer; {OPTIMIZER_CONTRACT}"
+            )
+        _check_optimized_parameters(cfg.name, optimizer, model)
+        return optimizer
     params = list(model.parameters())
     if cfg.name == "sgd":
         return torch.optim.SGD(
@@ -53,10 +106,70 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optim
     )  # fmt: skip
 
 
+def _check_optimized_parameters(
+    spec: str, optimizer: torch.optim.Optimizer, model: nn.Module
+) -> None:
+    """Every optimized tensor must be one of the model's parameters (the ones
+    DDP synchronises and the checkpoint saves); a trainable parameter left out
+    is legal but usually a mistake in the parameter groups, so it is logged."""
+    owned = {id(p): name for name, p in model.named_parameters()}
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not optimized <= owned.keys():
+        raise ConfigError(
+            f"optimizer.name = {spec!r}: the optimizer holds {len(optimized - owned.keys())} "
+            "tensors that are not parameters of the model it was given; "
+            f"{OPTIMIZER_CONTRACT}"
+        )
+    left_out = [name for key, name in owned.items() if key not in optimized]
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    missed = [name for name in left_out if name in trainable]
+    if missed:
+        log.warning("optimizer_misses_parameters", count=len(missed), names=missed[:10])
+
+
 def build_scheduler(
     cfg: JobConfig, optimizer: torch.optim.Optimizer, *, total: int, world_size: int
-) -> LambdaLR:
+) -> LRScheduler:
+    if cfg.schedule.name not in BUILTIN_SCHEDULES:
+        return _user_scheduler(cfg, optimizer)
     # The classic per-worker mode scales the LR linearly with the world size. The
     # factor lives in the lambda, not in the saved state, so it follows resizes.
     scale = world_size if cfg.training.batch_mode == "per_worker" else 1
     return LambdaLR(optimizer, lambda step: scale * lr_multiplier(cfg.schedule, step, total=total))
+
+
+def _user_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    spec = cfg.schedule.name
+    factory = import_string(spec, field="schedule.name")
+    scheduler = _call_factory(
+        "schedule.name", spec, SCHEDULE_CONTRACT, factory, optimizer, **cfg.schedule.options
+    )
+    problem = None
+    if isinstance(scheduler, ReduceLROnPlateau):
+        problem = "a ReduceLROnPlateau, which needs a metric at every step"
+    elif not isinstance(scheduler, LRScheduler):
+        problem = f"a {type(scheduler).__name__}, not a torch.optim.lr_scheduler.LRScheduler"
+    elif scheduler.optimizer is not optimizer:
+        problem = "a scheduler of another optimizer than the one it was given"
+    if problem is not None:
+        raise ConfigError(f"schedule.name = {spec!r}: the factory returned {problem}; "
+                          f"{SCHEDULE_CONTRACT}")  # fmt: skip
+    if cfg.training.batch_mode == "per_worker":
+        # Only the built-in schedules scale the LR with the world size.
+        log.warning("per_worker_lr_not_scaled", schedule=spec)
+    return scheduler
+
+
+def restore_learning_rates(optimizer: torch.optim.Optimizer, scheduler: LRScheduler) -> None:
+    """After a restore: the built-in schedule's LR at this world size.
+
+    The optimizer comes back with the LR of the old world size (per_worker
+    mode scales it); the built-in ``LambdaLR`` recomputes it. A user's
+    scheduler keeps the LR its state and the optimizer's state restored.
+    """
+    if not isinstance(scheduler, LambdaLR):
+        return
+    for group, lr_lambda, base in zip(
+        optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True
+    ):
+        group["lr"] = base * lr_lambda(scheduler.last_epoch)

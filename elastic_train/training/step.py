@@ -6,6 +6,17 @@ at check steps one small all-reduce (:class:`Agreement`) of the loss
 and the preemption flag that runs while the optimizer step and the snapshot
 write go on. A failure in either collective first snapshots the last
 completed step (:class:`StepStart`). See docs/checkpoints-and-snapshots.md.
+
+Normalisation (world-size invariance): each micro-batch's summed loss is
+backpropagated with the constant ``world_size / B`` (B: samples in the global
+batch); DDP averages over ranks, so the gradient is the sum of all per-unit
+gradients divided by B. With per-sample losses B is the global count and
+that is the mean. With ``model.loss_form = "sum_count"`` the units (tokens)
+are counted only by the forwards, so the step also all-reduces its count (one
+number, started before the last backward and awaited after it) and multiplies
+the gradients by ``B / global count`` before the optimizer step and clipping
+(:class:`GlobalCount`): the mean over every unit of the global batch, however
+the units are spread over ranks and micro-batches.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +34,6 @@ from torch import nn
 from elastic_train.log import get_logger
 from elastic_train.training.rng import capture_torch_rng_state
 from elastic_train.training.sampler import ElasticSampler
-from elastic_train.workload.datasets import load_batch
 
 if TYPE_CHECKING:
     from elastic_train.training.loop import Trainer
@@ -35,7 +45,7 @@ log = get_logger(__name__)
 class StepStats:
     step: int
     epoch: int
-    loss: float | None  # mean per-sample loss over the global batch, at check steps
+    loss: float | None  # mean loss per unit (sample, token) of the global batch, at check steps
     samples: int  # size of the global batch
     seconds: float
     lr: float
@@ -46,11 +56,38 @@ def micro_batches(shard: list[int], micro_batch_size: int) -> list[list[int]]:
     return [shard[i : i + size] for i in range(0, len(shard), size)]
 
 
-def forward(t: Trainer, indices: list[int]) -> torch.Tensor:
-    """The per-sample losses of one micro-batch."""
-    inputs, targets = (x.to(t.ctx.device) for x in load_batch(t.data.dataset, indices))
+def forward(t: Trainer, indices: list[int]) -> tuple[torch.Tensor, Any]:
+    """The summed loss of one micro-batch, and the units (samples, tokens) it covers."""
+    batch = t.batches(indices)
     with t.precision.autocast():
-        return t.loss_fn(t.ddp(inputs), targets).float()
+        return t.loss.micro_batch(t.ddp, batch, len(indices))
+
+
+class GlobalCount:
+    """The step's count of units summed over every rank, all-reduced while the
+    last backward runs; then the gradients are rescaled to the mean per unit."""
+
+    def __init__(self, t: Trainer, local: torch.Tensor) -> None:
+        self.total = local
+        self._work = dist.all_reduce(local, async_op=True) if t.ctx.world_size > 1 else None
+
+    def rescale_gradients(self, model: nn.Module, *, samples: int) -> torch.Tensor:
+        """Multiply every gradient by ``samples / global count`` (0 for no units:
+        the gradients are sums over nothing then); returns the global count."""
+        if self._work is not None:
+            self._work.wait()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = self.total.float()
+        factor = torch.where(total > 0, samples / total.clamp_min(1e-30), 0.0)
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        return self.total
+
+
+class StepLoss(NamedTuple):
+    loss_sum: torch.Tensor  # this rank's summed loss (detached)
+    local_count: Any  # this rank's units: its samples, or a tensor of its counted units
+    global_count: Any  # every rank's units: the global batch size, or a tensor
 
 
 def optimizer_step(t: Trainer) -> None:
@@ -64,14 +101,19 @@ def optimizer_step(t: Trainer) -> None:
 
 
 def train_step(
-    t: Trainer, batch: list[int], shard: list[int], *, before_sync: Callable[[torch.Tensor], None]
-) -> torch.Tensor:
-    """Forward and backward of one world-size-invariant step (gradients all-reduced);
-    returns the sum of this rank's sample losses. The optimizer step is the caller's.
+    t: Trainer,
+    batch: list[int],
+    shard: list[int],
+    *,
+    before_sync: Callable[[torch.Tensor, Any], None],
+) -> StepLoss:
+    """Forward and backward of one world-size-invariant step (gradients all-reduced
+    and normalised); returns this rank's summed loss and the counts. The
+    optimizer step is the caller's.
 
-    ``before_sync(loss_sum)`` runs after the last forward, before the backward
-    whose gradient all-reduce (started bucket by bucket as backward goes) lets
-    any rank finish the step.
+    ``before_sync(loss_sum, count)`` runs after the last forward, before the
+    backward whose gradient all-reduce (started bucket by bucket as backward
+    goes) lets any rank finish the step.
     """
     scale = t.ctx.world_size / len(batch)
     chunks, weight = micro_batches(shard, t.cfg.training.micro_batch_size), 1.0
@@ -79,22 +121,38 @@ def train_step(
         # An empty shard (a short last batch on many ranks) must still join
         # DDP's all-reduce: a real sample with weight zero adds a zero gradient.
         chunks, weight = [batch[:1]], 0.0
+    counted = t.loss.counted
     loss_sum: torch.Tensor | None = None
+    count: Any = 0
+    pending: GlobalCount | None = None
     for i, chunk in enumerate(chunks):
         # Gradients are all-reduced once per step, in the last backward.
         sync = i == len(chunks) - 1
         with contextlib.nullcontext() if sync else t.ddp.no_sync():
-            total = forward(t, chunk).sum()
+            total, units = forward(t, chunk)
             if weight != 1.0:
-                total = total * weight
+                total, units = total * weight, units * 0
             # One sum serves the record and the backward: each extra autograd
             # node costs µs on a millisecond step.
             loss_sum = total.detach() if loss_sum is None else loss_sum + total.detach()
+            count = _add_units(count, units, device=t.ctx.device) if counted else count + units
             if sync:
-                before_sync(loss_sum)
+                before_sync(loss_sum, count)
+                if counted:
+                    pending = GlobalCount(t, count.clone())
             t.precision.backward(total * scale)
     assert loss_sum is not None  # chunks is never empty
-    return loss_sum
+    if pending is None:
+        return StepLoss(loss_sum, local_count=count, global_count=len(batch))
+    global_count = pending.rescale_gradients(t.model, samples=len(batch))
+    return StepLoss(loss_sum, local_count=count, global_count=global_count)
+
+
+def _add_units(count: Any, units: Any, *, device: torch.device) -> torch.Tensor:
+    """A running count as a float64 tensor on the device: exact for any token
+    count, and summed without waiting for the device."""
+    units = torch.as_tensor(units, device=device).to(torch.float64).reshape(())
+    return units if isinstance(count, int) else count + units
 
 
 class Agreement:
@@ -109,12 +167,14 @@ class Agreement:
         self._totals = torch.cat((loss_sum.reshape(1), loss_sum.new_tensor(values)))
         self._work = dist.all_reduce(self._totals, async_op=True)
 
-    def wait(self, t: Trainer, *, samples: int) -> tuple[float, bool]:
-        """The global batch's mean loss, and whether any rank was signalled to stop."""
+    def wait(self, t: Trainer, *, units: Any) -> tuple[float, bool]:
+        """The global batch's mean loss per unit, and whether any rank was
+        signalled to stop. ``units``: the step's global count."""
         self._work.wait()
         loss_total, signalled, interval = self._totals.tolist()
         t.guards.preemption.checked(t.step, interval=round(interval))
-        return loss_total / samples, signalled > 0
+        units = float(units)
+        return (loss_total / units if units > 0 else 0.0), signalled > 0
 
 
 def current_lr(t: Trainer) -> float:
@@ -122,18 +182,20 @@ def current_lr(t: Trainer) -> float:
 
 
 def record_step(
-    t: Trainer, *, step: int, epoch: int, shard: list[int], loss_sum: torch.Tensor
+    t: Trainer, *, step: int, epoch: int, shard: list[int], loss_sum: torch.Tensor, count: Any
 ) -> None:
     """This rank's audit record of ``step``, written before its gradient all-reduce.
 
     No rank can complete the step, let alone snapshot it, before every rank
     has entered that all-reduce, so every state that holds the step has each
     rank's record of it; a record of a step that then fails is superseded by
-    the restart's. The record's loss is this rank's own mean (``item()``
-    waits for the forward on CUDA; the audit is on in test and benchmark runs).
+    the restart's. The record's loss is this rank's own mean per unit over its
+    ``count`` units (``item()`` waits for the forward on CUDA; the audit is on
+    in test and benchmark runs).
     """
     if t.audit is not None:
-        loss = loss_sum.item() / len(shard) if shard else 0.0
+        units = float(count)
+        loss = loss_sum.item() / units if shard and units > 0 else 0.0
         t.audit.step(step=step, epoch=epoch, indices=shard, loss=loss)
 
 
@@ -229,15 +291,15 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     batch = t.sampler.next_global_batch()
     shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
 
-    def record(loss_sum: torch.Tensor) -> None:
-        record_step(t, step=t.step + 1, epoch=epoch, shard=shard, loss_sum=loss_sum)
+    def record(loss_sum: torch.Tensor, count: Any) -> None:
+        record_step(t, step=t.step + 1, epoch=epoch, shard=shard, loss_sum=loss_sum, count=count)
 
     rewound = (lambda: start.rewind(state())) if start is not None else state
     with snapshot_on_failure(t, step=t.step, state=rewound):
-        loss_sum = train_step(t, batch, shard, before_sync=record)
+        losses = train_step(t, batch, shard, before_sync=record)
     t.step += 1
     due = t.step == 1 or t.guards.preemption.check_due(t.step)
-    agreement = Agreement(t, loss_sum) if due else None
+    agreement = Agreement(t, losses.loss_sum) if due else None
     optimizer_step(t)
     epoch_ended = t.sampler.epoch_finished()
     if epoch_ended:
@@ -247,7 +309,7 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     loss, signalled = None, None
     if agreement is not None:
         with snapshot_on_failure(t, step=t.step, state=state):
-            loss, signalled = agreement.wait(t, samples=len(batch))
+            loss, signalled = agreement.wait(t, units=losses.global_count)
     stats = StepStats(
         step=t.step, epoch=epoch, loss=loss, samples=len(batch),
         seconds=time.perf_counter() - started, lr=lr,

@@ -1,6 +1,8 @@
 """Built-in datasets: a synthetic task, UCI digits, and a character-level text.
 
-Every dataset is small and in memory, and every sample is ``(input, target)``.
+Every built-in dataset is small and in memory, and every sample is ``(input, target)``.
+A user's dataset returns any item by index; its collate function (``DataBundle.collate_fn``
+or ``data.collate_fn``) turns a list of items into a batch of any structure.
 See ``elastic_train/workload/data/README.md`` for the sources and licenses of the
 bundled files.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -21,21 +23,27 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from elastic_train.config.job import DataConfig
 from elastic_train.workload.registry import DATASETS
 
+Collate = Callable[[list[Any]], Any]
+
 
 @dataclass(frozen=True)
 class DataBundle:
-    """A map-style dataset and the shape facts a model factory needs."""
+    """A map-style dataset, the shape facts a model factory needs, and how
+    items become a batch."""
 
     dataset: Dataset[Any]
     #: e.g. {"in_features": 64, "num_classes": 10} or {"vocab_size": 60, "seq_len": 64}
     info: Mapping[str, int]
+    #: ``collate(items) -> batch`` (padding, a tokenizer's collator); None: torch's
+    #: ``default_collate``. ``data.collate_fn``, when set, takes precedence.
+    collate_fn: Collate | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
 
 def load_batch(dataset: Dataset[Any], indices: Sequence[int]) -> Any:
-    """Collate the samples at ``indices`` into one batch."""
+    """Collate the samples at ``indices`` into one batch with torch's ``default_collate``."""
     if isinstance(dataset, TensorDataset):  # one gather instead of a Python loop
         index = torch.as_tensor(list(indices), dtype=torch.long)
         return tuple(t[index] for t in dataset.tensors)

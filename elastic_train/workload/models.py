@@ -7,6 +7,7 @@ only on the global batch and not on how it is split across workers.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,10 @@ from torch import nn
 
 from elastic_train.config.job import ModelConfig
 from elastic_train.errors import ConfigError
-from elastic_train.workload.registry import LOSSES, MODELS
+from elastic_train.workload.registry import LOSSES, MODELS, SUM_COUNT_LOSSES
+
+#: Targets with this value are padding: no loss, not counted (torch's and Hugging Face's).
+IGNORE_INDEX = -100
 
 
 def _need(info: Mapping[str, int], key: str, model: str) -> int:
@@ -110,3 +114,25 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-sample mean squared error."""
     squared = (output - target.to(output.dtype)) ** 2
     return squared.reshape(output.shape[0], -1).mean(dim=1)
+
+
+@SUM_COUNT_LOSSES.register("token_cross_entropy")
+def token_cross_entropy(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross entropy summed over the target tokens, and how many there are.
+
+    ``batch`` is ``(inputs, targets)`` or a mapping with ``input_ids`` and
+    ``labels``; targets are aligned with the model's outputs (already shifted)
+    and :data:`IGNORE_INDEX` marks padding. An output with a ``logits``
+    attribute (a Hugging Face ``ModelOutput``) is read through it.
+    """
+    if isinstance(batch, Mapping):
+        inputs, targets = batch["input_ids"], batch["labels"]
+    else:
+        inputs, targets = batch
+    output = model(inputs)
+    logits = getattr(output, "logits", output)
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )  # fmt: skip
+    return loss_sum, (targets != IGNORE_INDEX).sum()

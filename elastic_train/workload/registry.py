@@ -6,7 +6,14 @@ their own code without forking this package. The factory signatures are:
 
 * dataset: ``factory(cfg: DataConfig) -> DataBundle`` (``elastic_train.workload.datasets``)
 * model: ``factory(cfg: ModelConfig, info: Mapping[str, int]) -> torch.nn.Module``
-* loss: ``loss(output, target) -> Tensor`` of shape ``[batch]``, one loss per sample
+* loss, ``model.loss_form = "per_sample"`` (:data:`LOSSES`): ``loss(output, target) -> Tensor``
+  of shape ``[batch]``, one loss per sample
+* loss, ``model.loss_form = "sum_count"`` (:data:`SUM_COUNT_LOSSES`):
+  ``loss(model, batch) -> (loss_sum, count)``, the micro-batch's summed loss and
+  the number of units (samples, tokens) it covers
+
+``data.collate_fn``, ``optimizer.name`` and ``schedule.name`` take import strings
+too (:func:`import_string`); their built-in choices are not registries.
 """
 
 from __future__ import annotations
@@ -85,6 +92,9 @@ def import_string(spec: str, *, field: str) -> Any:
 MODELS: Registry[Callable[..., Any]] = Registry("model", field="model.name")
 DATASETS: Registry[Callable[..., Any]] = Registry("dataset", field="data.name")
 LOSSES: Registry[Callable[..., Any]] = Registry("loss", field="model.loss")
+SUM_COUNT_LOSSES: Registry[Callable[..., Any]] = Registry(
+    "loss of model.loss_form = 'sum_count'", field="model.loss"
+)
 
 
 def _load_builtins() -> None:
