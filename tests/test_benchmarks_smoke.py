@@ -75,6 +75,21 @@ def test_recovery_smoke_ours(tmp_path: Path) -> None:
     assert "ours median recovery, s" in names and "ours max lost steps per failure" in names
 
 
+def _agent_closes_the_rendezvous_on_sigterm() -> bool:
+    """torch 2.6's ``LocalElasticAgent._shutdown(death_sig, is_restart)`` also shuts
+    the rendezvous handler down on a signal, which closes torch's c10d rendezvous
+    for every node (our etcd backend only leaves; later torch does neither)."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    return "is_restart" in inspect.signature(LocalElasticAgent._shutdown).parameters
+
+
+@pytest.mark.skipif(
+    _agent_closes_the_rendezvous_on_sigterm(),
+    reason="this torch's agent closes the c10d rendezvous when one node is preempted",
+)
 def test_preemption_smoke_plain_c10d(tmp_path: Path) -> None:
     result = run(preemption, tmp_path, "--competitors=c10d-tuned")
     single = only_run(result, "c10d-tuned")

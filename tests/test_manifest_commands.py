@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +21,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -44,9 +42,8 @@ from secure_etcd import ETCD_SCRIPTS, PASSWORD, secure_etcd, trainer_secrets
 
 from elastic_train.config.load import load_config
 from elastic_train.errors import EXIT_CONFIG_ERROR
-from elastic_train.etcd.server import find_etcd_binary, free_port
+from elastic_train.etcd.server import free_port
 from elastic_train.local import proctree
-from elastic_train.local.cluster import port_is_free
 from elastic_train.torchrun_plugin import check_rdzv_conf
 
 STEPS = 40
@@ -63,8 +60,6 @@ TINY = (
     "--checkpoint.interval_steps=10",
 )
 DEADLINE_S = 240.0
-#: the two concurrent Slurm jobs' steps: long enough to check them while they train
-LONG_STEPS = 80
 SBATCH = REPO_ROOT / "deploy" / "slurm" / "train.sbatch"
 
 
@@ -325,134 +320,6 @@ def test_slurm_script_preempts_on_usr1_and_a_resubmission_finishes(
     assert 2 in _world_sizes(audit), "the two nodes never trained in one world"
     resumed = _records(audit, "resume")
     assert max(r["restored_step"] for r in resumed) == stopped, "no step was lost"
-
-
-def _job_processes(root: psutil.Process, name: str) -> list[psutil.Process]:
-    """The processes of a job's tree whose command line names ``name`` (etcd, torchrun)."""
-    found = []
-    for proc in proctree.descendants(root):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
-            if any(Path(arg).name == name for arg in proc.cmdline()[:3]):
-                found.append(proc)
-    return found
-
-
-def _etcdctl(endpoint: str, *args: str, tls: Path, cert: bool = True, refused: bool = False) -> str:
-    """etcdctl against ``endpoint`` with the CA (and client certificate) of ``tls``.
-
-    A connection expected to be ``refused`` gets 1 s to connect; others are given time
-    enough for a machine busy with two jobs' trainings.
-    """
-    env = {**os.environ, "ETCDCTL_API": "3", "ETCDCTL_DIAL_TIMEOUT": "1s" if refused else "20s"}
-    env["ETCDCTL_COMMAND_TIMEOUT"] = "3s" if refused else "30s"
-    env.pop("ETCDCTL_USER", None)
-    env["ETCDCTL_CACERT"] = str(tls / "ca.crt")
-    if cert:
-        env |= {"ETCDCTL_CERT": str(tls / "client.crt"), "ETCDCTL_KEY": str(tls / "client.key")}
-    proc = subprocess.run(
-        [str(Path(find_etcd_binary()).with_name("etcdctl")), f"--endpoints=https://{endpoint}",
-         *args], env=env, capture_output=True, text=True, errors="replace", timeout=120,
-        check=False,
-    )  # fmt: skip
-    return f"rc={proc.returncode} {proc.stdout} {proc.stderr}"
-
-
-@dataclass(frozen=True)
-class SlurmJobFacts:
-    """What a running job made, read at once (the job deletes it all when it ends)."""
-
-    job_id: str
-    etcd: psutil.Process
-    endpoint: str  # host:port its etcd listens on
-    tls: Path  # a copy of its certificates
-    hidden: set[str]  # the job secret and both passwords
-
-
-def _job_facts(job_id: str, root: psutil.Process, jobs: Path, copies: Path) -> SlurmJobFacts:
-    """The job directory: private, 0600 secrets; where its etcd listens; nothing secret
-    on any command line of the job."""
-    (etcd,) = _job_processes(root, "etcd")
-    (url,) = [a.split("=", 1)[1] for a in etcd.cmdline() if a.startswith("--listen-client-urls=")]
-    job_dir = jobs / f"slurm-{job_id}"
-    assert job_dir.stat().st_mode & 0o777 == 0o700
-    for name in ("rdzv-secret", "etcd-password", "etcd-root-password", "tls/client.key"):
-        assert (job_dir / name).stat().st_mode & 0o777 == 0o600, name
-    names = ("rdzv-secret", "etcd-password", "etcd-root-password")
-    hidden = {(job_dir / name).read_text().strip() for name in names}
-    assert all(re.fullmatch(r"[0-9a-f]{64}", value) for value in hidden) and len(hidden) == 3
-    tls = shutil.copytree(job_dir / "tls", copies / f"tls-{job_id}")
-    for proc in [root, *proctree.descendants(root)]:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
-            words = set(" ".join(proc.cmdline()).replace(",", " ").split())
-            assert not hidden & words, f"a secret on the command line of {proc.name()}"
-    return SlurmJobFacts(job_id, etcd, url.removeprefix("https://"), Path(tls), hidden)
-
-
-def _check_etcd(job: SlurmJobFacts, other: SlurmJobFacts) -> None:
-    """Only on the given address; TLS client certificates of the job's own CA; auth on,
-    with a user limited to this job's keys."""
-    host, port = job.endpoint.rsplit(":", 1)
-    assert host == "127.0.0.2", job.endpoint
-    # Not 0.0.0.0: the port is free on another address of the host.
-    assert port_is_free(int(port), "127.0.0.1"), f"something listens on 127.0.0.1:{port}"
-    mine, theirs = f"/elastic-train/slurm-{job.job_id}/", f"/elastic-train/slurm-{other.job_id}/"
-    no_cert = _etcdctl(job.endpoint, "get", mine, tls=job.tls, cert=False, refused=True)
-    assert not no_cert.startswith("rc=0"), no_cert
-    foreign = _etcdctl(job.endpoint, "get", mine, tls=other.tls, refused=True)
-    assert not foreign.startswith("rc=0"), foreign
-    # The rendezvous user (the client certificate's CN) reads this job's keys, nothing else.
-    # Asked last: the refusals above were not just an etcd that had gone.
-    denied = _etcdctl(job.endpoint, "put", f"{theirs}state", "x", tls=job.tls)
-    assert "permission denied" in denied, denied
-    own = _etcdctl(job.endpoint, "get", "--prefix", "--keys-only", mine, tls=job.tls)
-    assert own.startswith("rc=0"), own
-
-
-@pytest.mark.slow
-def test_two_slurm_jobs_on_one_host_both_train_with_their_own_locked_down_etcd(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
-) -> None:
-    jobs, logs, audits = ("5001", "5002"), [], []
-    for job_id in jobs:
-        env = _slurm_env(tmp_path, job_id=job_id, checkpoints=tmp_path / f"ckpt-{job_id}")
-        # One address for both, as on a shared node; each job finds its own free port.
-        del env["ETCD_PORT"]
-        env["ELASTIC_TRAIN_ETCD_HOST"] = "127.0.0.2"
-        audits.append(tmp_path / f"audit-{job_id}")
-        logs.append(tmp_path / f"job-{job_id}.log")
-        # More steps than TINY's: the checks below need both jobs to still be running.
-        argv = ["bash", str(SBATCH), *TINY, f"--training.steps={LONG_STEPS}",
-                f"--logging.audit_dir={audits[-1]}"]  # fmt: skip
-        processes.append(_start(argv, env=env, cwd=REPO_ROOT, log=logs[-1]))
-    roots = [psutil.Process(p.pid) for p in processes]
-    deadline = time.monotonic() + DEADLINE_S
-    # Once a job's agents run, its etcd is up, its user made and authentication on.
-    while not all(_job_processes(root, "torchrun") for root in roots):
-        for proc, log in zip(processes, logs, strict=True):
-            assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the jobs' agents did not start"
-        time.sleep(0.1)
-    first, second = (
-        _job_facts(job_id, root, tmp_path / "jobs", tmp_path)
-        for job_id, root in zip(jobs, roots, strict=True)
-    )
-    assert first.endpoint != second.endpoint
-    _check_etcd(first, second)
-    _check_etcd(second, first)
-    assert first.etcd.is_running() and second.etcd.is_running(), "checked while the jobs ran"
-    _wait_all(processes, logs)
-    for proc, log, audit in zip(processes, logs, audits, strict=True):
-        assert proc.returncode == 0, log.read_text()[-3000:]
-        text = log.read_text()  # the agents' and the workers' output too
-        assert not any(v in text for v in first.hidden | second.hidden), "a secret in a log"
-        assert _result(audit)["final_step"] == LONG_STEPS, text[-3000:]
-        assert 2 in _world_sizes(audit), f"the two nodes never trained in one world: {text[-3000:]}"
-    # Each job took its etcd, certificates, passwords and secret with it.
-    assert not list((tmp_path / "jobs").iterdir())
-    for job in (first, second):
-        host, port = job.endpoint.rsplit(":", 1)
-        with pytest.raises(OSError):
-            socket.create_connection((host, int(port)), timeout=1).close()
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "tls"])

@@ -6,7 +6,8 @@ sampler, the loop and the checkpoints are the trainer's::
     torchrun --standalone --nproc-per-node 2 examples/ddp_migration/after_elastic_train.py
     # elastic, fault tolerant, across machines:
     torchrun --nnodes 1:4 --nproc-per-node 2 --rdzv-backend etcd \\
-        --rdzv-endpoint ETCD_HOST:2379 --rdzv-id job1 examples/ddp_migration/after_elastic_train.py
+        --rdzv-endpoint ETCD_HOST:2379 --rdzv-id job1 --rdzv-conf secret_file=/run/secrets/rdzv \\
+        examples/ddp_migration/after_elastic_train.py
 """
 
 from __future__ import annotations
