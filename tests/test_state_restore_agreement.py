@@ -98,6 +98,9 @@ def _worker(rank: int, init: str, root: str) -> None:
         except CheckpointMismatchError as exc:
             results["mismatch"] = str(exc)
         torch.save(results, base / f"rank{rank}.pt")
+        # Every rank done before any tears its group down: torch 2.6's gloo can
+        # hang in destroy_process_group once a peer has exited.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
