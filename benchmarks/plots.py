@@ -20,7 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 OURS_COLOR = "#D55E00"  # Okabe-Ito vermilion; the palette below reads for colour-blind eyes
 OTHER_COLORS = ("#0072B2", "#009E73", "#CC79A7", "#56B4E9", "#E69F00", "#000000")
@@ -172,11 +172,13 @@ def _bars(
     log: bool | None = None,
     top: float = 0.88,
     missing: str = "no value",
+    integer: bool = False,
 ) -> None:
     """Median bars, min-max whiskers, failures marked; ``log=None``: log if values span 10x.
 
     ``top``: the axis fraction the data may reach; ``missing``: the note under a
-    bar with neither a value nor an error (nothing to measure).
+    bar with neither a value nor an error (nothing to measure); ``integer``:
+    whole-number ticks, for counts such as lost steps.
     """
     names = ordered(benchmark, list(summary))
     stats = [summary[n][metric] for n in names]
@@ -189,6 +191,10 @@ def _bars(
         if stat["median"] is not None:
             _bar(ax, i, stat, unit=unit, style=_bar_style(benchmark, name))
     ax.set_xticks(range(len(names)), names, rotation=25, ha="right")
+    # Every slot a full bar wide, a bar drawn or not, so no label runs off the axes.
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    if integer:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for label in ax.get_xticklabels():
         if role(benchmark, label.get_text()) == "ours":
             label.set(fontweight="bold", color=OURS_COLOR)
@@ -283,7 +289,7 @@ def _bar_figure(kind: str, result: dict[str, Any], title: str) -> Figure:
 BAR_FIGURES: dict[str, tuple[list[tuple[str, str, dict[str, Any]]], str, str]] = {
     "event": (
         [("seconds", "event -> first step after it (s)", {"unit": "s"}),
-         ("lost_steps", "lost steps (steps)", {"log": False})],  # counts, often 0
+         ("lost_steps", "lost steps (steps)", {"log": False, "integer": True})],  # often 0
         "bars: median, whiskers: min-max; lower is better", "competitors"),
     "throughput": (
         [("samples_per_second", "throughput (samples/s)", {"log": False})],

@@ -1,6 +1,6 @@
 """Turn ``benchmarks/results/*.json`` into the README's tables and PNG plots.
 
-    python -m benchmarks.report            # rewrites the table in benchmarks/README.md
+    python -m benchmarks.report            # rewrites benchmarks/README.md and README.md's headline
     python -m benchmarks.report --smoke    # the *_smoke.json files, printed only
 
 Tables go between the ``<!-- results:start -->`` and ``<!-- results:end -->``
@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(text + "\n")
     if not (args.smoke or args.no_readme):
         update_readme(text)
+        from benchmarks import readme  # it imports this module's tables
+
+        readme.main([f"--results-dir={args.results_dir}"])
 
 
 if __name__ == "__main__":

@@ -55,12 +55,17 @@ def measure(
     comp: Competitor, workdir: Path, *, warmup_steps: int, window_steps: int, timeout: float
 ) -> dict[str, Any]:
     with two_nodes(comp, workdir, steps=warmup_steps + window_steps) as cluster:
-        last = warmup_steps + window_steps
-        cluster.wait_step(last, world_size=2, timeout=timeout)
-        steps = cluster.steps(world_size=2)
+        cluster.wait_step(warmup_steps + window_steps, world_size=2, timeout=timeout)
+    return window_rates(cluster, warmup_steps=warmup_steps, window_steps=window_steps)
+
+
+def window_rates(cluster: BenchCluster, *, warmup_steps: int, window_steps: int) -> dict[str, Any]:
+    """Samples/s and steps/s of a fault-free run over the steps after the warm-up."""
+    steps = cluster.steps(world_size=2)
     attempts = {r.attempt for r in steps}
     if len(attempts) != 1:
         raise RuntimeError(f"a fault-free run restarted: {len(attempts)} attempts")
+    last = warmup_steps + window_steps
     done = {s: max(r.time for r in steps if r.step == s) for s in (warmup_steps, last)}
     seconds = done[last] - done[warmup_steps]
     return {

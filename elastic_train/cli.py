@@ -1,13 +1,17 @@
 """The ``elastic-train`` console script: a thin shell over the library API.
 
+    elastic-train --version
     elastic-train local [--nodes N] [--nproc-per-node K] [--chaos SCHEDULE]
-                        [--json PATH] [--run-dir DIR] [--SECTION.KEY=VALUE ...]
+                        [--json PATH] [--run-dir DIR] [--print-config] [--script PATH]
+                        [--log-format auto|json|console] [--SECTION.KEY=VALUE ...]
     elastic-train spawn --nproc N [--SECTION.KEY=VALUE ...]
     elastic-train rdzv reset --endpoint HOST:PORT --run-id ID [--key-prefix PREFIX]
 
 Arguments this parser does not know are the trainer's own (``--config PATH``
 and ``--SECTION.KEY=VALUE`` overrides); they are checked by the trainer's
-config parser before any process starts.
+config parser before any process starts. ``elastic-train local --help`` lists
+every one of them (:func:`~elastic_train.config.describe.describe_config`), and
+every subcommand takes ``--log-format``.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ import argparse
 import json
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
 from types import FrameType
 
 from elastic_train.agent import metrics_endpoint
+from elastic_train.config.describe import describe_config
 from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.launch import add_rdzv_subcommand, add_spawn_subcommand
-from elastic_train.log import configure_logging, get_logger
+from elastic_train.log import LOG_FORMATS, configure_logging, get_logger, json_for_format
 
 log = get_logger(__name__)
 
@@ -37,9 +45,14 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p = subparsers.add_parser(
         "local",
         help="run the job on a local cluster: embedded etcd + N torchrun agents",
-        description="Run elastic_train/main.py on N local torchrun 'nodes' against an "
-        "embedded etcd, optionally with a chaos schedule, and audit the result. "
-        "Unknown arguments (--config PATH, --SECTION.KEY=VALUE) go to the trainer.",
+        description=textwrap.fill(
+            "Run elastic_train/main.py on N local torchrun 'nodes' against an embedded "
+            "etcd, optionally with a chaos schedule, and audit the result. Unknown "
+            "arguments (--config PATH, --SECTION.KEY=VALUE) go to the trainer; the keys "
+            "they can set are listed below."
+        ),
+        epilog=describe_config(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nodes", type=int, default=3, help="agents started at once (default 3)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per agent (default 1)")
@@ -72,8 +85,22 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help=f"node i serves metrics on 127.0.0.1:PORT+i (default {DEFAULT_METRICS_PORT}, as "
         "deploy/prometheus expects); 0 picks free ports, 'off' serves none",
     )
+    p.add_argument(
+        "--script",
+        metavar="PATH",
+        default=None,
+        help="your own training script that calls elastic_train.api.fit, run instead of "
+        "elastic_train/main.py; it gets the same arguments (docs/training.md, 'Your own "
+        "script'). Add --rdzv-conf warm_start=1 if it calls hand_over(__file__)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     p.add_argument("--quiet", action="store_true", help="no live progress")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the trainer's effective config as TOML (the runner's own settings "
+        "included) and exit; starts nothing",
+    )
     p.set_defaults(handler=_run_local)
 
 
@@ -90,10 +117,10 @@ def _metrics_port(text: str) -> int | None:
 
 def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
     # Imported here so that `elastic-train --help` stays instant.
+    from elastic_train.local.board import open_board
     from elastic_train.local.chaos import parse_schedule
     from elastic_train.local.cluster import ClusterSpec
-    from elastic_train.local.progress import ProgressPrinter
-    from elastic_train.local.runner import run_local
+    from elastic_train.local.runner import effective_config_toml, run_local
 
     spec = ClusterSpec(
         nodes=args.nodes,
@@ -102,29 +129,69 @@ def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
         max_nodes=args.max_nodes,
         chaos=parse_schedule(args.chaos),
         script_args=tuple(trainer_args),
+        **({"script": _script_path(args.script)} if args.script else {}),
         rdzv_backend=args.rdzv_backend,
         rdzv_conf=args.rdzv_conf,
         metrics_port=args.metrics_port,
         timeout_s=args.timeout,
     )
-    progress = None if args.quiet else ProgressPrinter()
-    summary = run_local(spec, run_dir=args.run_dir, progress=progress, json_path=args.json)
+    if args.print_config:
+        print(effective_config_toml(spec, run_dir=args.run_dir), end="")
+        return EXIT_OK
+    with open_board(quiet=args.quiet) as progress:
+        summary = run_local(spec, run_dir=args.run_dir, progress=progress, json_path=args.json)
     doc = summary.to_json()
     brief = {k: doc[k] for k in ("completed", "final_step", "final_loss", "exactly_once")}
     print(json.dumps({**brief, "recoveries": doc["recoveries"], "run_dir": doc["run_dir"]}))
+    if summary.timeline:
+        print(f"timeline: {summary.timeline}", file=sys.stderr)  # stdout stays one JSON line
     if summary.error:
         print(f"error: {summary.error}", file=sys.stderr)
     return EXIT_OK if summary.completed and summary.exactly_once else EXIT_FAILED
+
+
+def _script_path(path: str) -> str:
+    """``--script``: an existing Python file, made absolute (the agents may run elsewhere)."""
+    script = Path(path).resolve()
+    if not script.is_file():
+        raise ConfigError(f"--script {path!r}: no such file; expected a Python training script")
+    return str(script)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-train", description="Elastic, fault-tolerant PyTorch training."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(subparsers)
+    _add_log_format(subparsers)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (the one pip reports)."""
+    try:
+        return metadata.version("elastic-train")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed as a distribution)"
+
+
+def _add_log_format(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``--log-format`` on every command that runs (``local``, ``spawn``, ``rdzv reset``)."""
+    for parser in subparsers.choices.values():
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            _add_log_format(nested[0])
+            continue
+        parser.add_argument(
+            "--log-format",
+            choices=LOG_FORMATS,
+            default="auto",
+            help="this command's own log lines on stderr: auto (console on a terminal, "
+            "JSON lines otherwise), json or console (default auto)",
+        )
 
 
 #: one ``add_*(subparsers)`` per subcommand; each sets ``handler(args, extra) -> int``
@@ -141,9 +208,9 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_logging()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    configure_logging(json=json_for_format(args.log_format))
     if extra and args.command not in ("local", "spawn"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -16,6 +16,7 @@ boundary each (``raise X from exc``), so callers never catch third-party types::
     ├── SnapshotError                       shared-memory snapshot unusable
     │   └── SnapshotRefusedError            a snapshot directory or file we must not trust
     ├── MetricsPortsTakenError              every port the metrics endpoint may try is in use
+    ├── DataLoadingError                    a DataLoader worker failed or died
     └── ClusterError                        the local cluster runner failed
 
 The rendezvous backend raises torch's own ``RendezvousConnectionError`` and
@@ -92,6 +93,10 @@ class SnapshotRefusedError(SnapshotError):
 
 class MetricsPortsTakenError(ElasticTrainError):
     """Every port the node's metrics endpoint may try is in use (the agent serves no metrics)."""
+
+
+class DataLoadingError(ElasticTrainError):
+    """A DataLoader worker process failed or died while loading micro-batches."""
 
 
 class ClusterError(ElasticTrainError):

@@ -1,7 +1,10 @@
 """Structured logging: structlog configured once per process.
 
-JSON lines by default; human-readable console output when stderr is a
-terminal. Context that holds for a whole process is bound once with
+JSON lines by default; human-readable console output (structlog's
+``ConsoleRenderer``) when stderr is a terminal. A command line chooses with
+``--log-format auto|json|console`` (:data:`LOG_FORMATS`, :func:`json_for_format`):
+``main.py`` takes it as the ``logging.format`` config key, the ``elastic-train``
+commands as a flag of their own. Context that holds for a whole process is bound once with
 :func:`bind_context`, not repeated at each call. The keys used across the
 project: ``run_id``, ``node``, ``rank``, ``local_rank``, ``world_size``,
 ``restart`` (the torchrun restart count), and ``step`` on events about a step.
@@ -31,18 +34,22 @@ from typing import Any, NoReturn
 import structlog
 
 __all__ = [
+    "LOG_FORMATS",
     "REDACTED",
     "bind_context",
     "clear_context",
     "configure_logging",
     "configure_logging_if_unconfigured",
     "get_logger",
+    "json_for_format",
     "merge_process_context",
     "redact_secrets",
     "register_secret",
 ]
 
 REDACTED = "[REDACTED]"
+#: "auto": console on a terminal, JSON lines otherwise; "json" and "console" force one.
+LOG_FORMATS = ("auto", "json", "console")
 #: Environment variables that hold secrets (see the rendezvous' ``--rdzv-conf`` docs).
 SECRET_ENV_VARS = ("ETCD_PASSWORD", "ELASTIC_TRAIN_RDZV_SECRET")
 # Shorter registered secrets would blank out ordinary words of every message.
@@ -109,10 +116,18 @@ def _route_torch_logging() -> None:
             logger.propagate = True
 
 
+def json_for_format(log_format: str) -> bool | None:
+    """The ``json`` argument of :func:`configure_logging` for one of :data:`LOG_FORMATS`."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r}: expected one of {', '.join(LOG_FORMATS)}")
+    return None if log_format == "auto" else log_format == "json"
+
+
 def configure_logging(*, level: str = "INFO", json: bool | None = None) -> None:
     """Configure structlog and route stdlib logging (torch's too) and warnings through it.
 
-    Call it after importing torch: torch resets its loggers when imported.
+    ``json=None`` renders JSON lines unless stderr is a terminal. Call it after
+    importing torch: torch resets its loggers when imported.
     """
     for name in SECRET_ENV_VARS:
         register_secret(os.environ.get(name))

@@ -3,7 +3,9 @@
     torchrun --nnodes 1:3 --nproc-per-node 1 --rdzv-backend etcd \\
         --rdzv-endpoint HOST:2379 --rdzv-id job1 elastic_train/main.py --config job.toml
 
-Without torchrun (``python elastic_train/main.py``) it trains as one process.
+The module form ``python -m elastic_train.main`` (``torchrun ... -m elastic_train.main``)
+is the same entry, for an installed package (a wheel, the Docker image) where
+no source tree is at hand. Without torchrun it trains as one process.
 Exit codes: 0 when training finished, ``errors.EXIT_CONFIG_ERROR`` for a bad
 configuration (retrying cannot help), 1 for anything else (torchrun restarts).
 """
@@ -52,21 +54,27 @@ from elastic_train.errors import (
     CheckpointWriteError,
     ConfigError,
 )
-from elastic_train.log import bind_context, configure_logging, exit_now, get_logger
+from elastic_train.log import (
+    bind_context,
+    configure_logging,
+    exit_now,
+    get_logger,
+    json_for_format,
+)
 from elastic_train.training.distributed import (
     WorkerEnv,
     init_distributed,
     read_worker_env,
     teardown,
 )
-from elastic_train.training.loop import Trainer, build, close, train
+from elastic_train.training.loop import Trainer, TrainResult, build, close, train
+from elastic_train.training.parts import TrainingParts
 
 log = get_logger("elastic_train.main")
 
 
 def _setup_logging(cfg: JobConfig, env: WorkerEnv) -> None:
-    fmt = cfg.logging.format
-    configure_logging(level=cfg.logging.level, json=None if fmt == "auto" else fmt == "json")
+    configure_logging(level=cfg.logging.level, json=json_for_format(cfg.logging.format))
     bind_context(
         run_id=env.run_id, node=env.node, rank=env.rank, local_rank=env.local_rank,
         world_size=env.world_size,
@@ -74,18 +82,32 @@ def _setup_logging(cfg: JobConfig, env: WorkerEnv) -> None:
     )  # fmt: skip
 
 
-def run(cfg: JobConfig, env: WorkerEnv, *, release: bool = True) -> int:
+def run(
+    cfg: JobConfig, env: WorkerEnv, *, release: bool = True, parts: TrainingParts | None = None
+) -> int:
     """Train under ``cfg`` as the worker ``env`` describes; returns the exit code.
 
     ``release=False`` when the process exits right after (:func:`exit_now`):
     freeing DDP and the process group then only delays the exit (0.2 s here),
     and the agent restarts the group only once every worker is gone.
     """
+    outcome = train_worker(cfg, env, release=release, parts=parts)
+    return outcome if isinstance(outcome, int) else exit_code(outcome)
+
+
+def train_worker(
+    cfg: JobConfig, env: WorkerEnv, *, release: bool = True, parts: TrainingParts | None = None
+) -> TrainResult | int:
+    """Build and train; the result, or the exit code of a failure that retrying cannot help.
+
+    ``parts``: the objects of a script's own (:func:`elastic_train.api.fit`);
+    None trains what the config names.
+    """
     _setup_logging(cfg, env)
     trainer: Trainer | None = None
     try:
-        trainer = build(cfg, init_distributed(env, cfg.elastic))
-        result = train(trainer)
+        trainer = build(cfg, init_distributed(env, cfg.elastic), parts)
+        return train(trainer)
     except (ConfigError, CheckpointMismatchError) as exc:
         log.error("config_error", error=str(exc))
         return EXIT_CONFIG_ERROR
@@ -100,6 +122,10 @@ def run(cfg: JobConfig, env: WorkerEnv, *, release: bool = True) -> int:
             close(trainer, release_group=release)
         if release:
             teardown()
+
+
+def exit_code(result: TrainResult) -> int:
+    """The worker's exit code after ``train`` returned: 0, unless a peer was preempted."""
     if result.stopped is not None:
         # The signalled worker is done (0); a survivor leaves so that its agent
         # re-forms the group without the preempted node (docs/faults.md).

@@ -29,9 +29,11 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 REPO_ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO_ROOT / "k8s"
 DOCKERFILE = REPO_ROOT / "deploy" / "Dockerfile"
-OVERLAYS = ("cpu", "gpu", "tls", "kubeflow")
-#: Kinds validated against the shared JSON schemas instead of kubernetes-validate.
-CUSTOM_KINDS = ("PodMonitor", "PrometheusRule", "PyTorchJob")
+OVERLAYS = ("cpu", "gpu", "tls", "kubeflow", "trainer-v2")
+#: Kinds validated against vendored JSON schemas instead of kubernetes-validate.
+CUSTOM_KINDS = ("PodMonitor", "PrometheusRule", "PyTorchJob", "TrainJob", "TrainingRuntime")
+#: Kinds that hold the trainer's pod template, one per overlay.
+TRAINER_KINDS = ("Job", "PyTorchJob", "TrainingRuntime")
 
 Obj = dict[str, Any]
 
@@ -77,6 +79,9 @@ def pod_specs(obj: Obj) -> Iterator[Obj]:
     elif obj["kind"] == "PyTorchJob":
         for replica in obj["spec"]["pytorchReplicaSpecs"].values():
             yield replica["template"]["spec"]
+    elif obj["kind"] in ("TrainingRuntime", "ClusterTrainingRuntime"):
+        for replicated in obj["spec"]["template"]["spec"]["replicatedJobs"]:
+            yield replicated["template"]["spec"]["template"]["spec"]
 
 
 def containers(pod: Obj) -> list[Obj]:
@@ -85,6 +90,13 @@ def containers(pod: Obj) -> list[Obj]:
 
 def container(pod: Obj, name: str) -> Obj:
     (match,) = [c for c in containers(pod) if c["name"] == name]
+    return match
+
+
+def trainer_container(pod: Obj) -> Obj:
+    """The torchrun container: "trainer", or "node" in a Kubeflow Trainer v2 runtime,
+    whose controller applies a TrainJob's settings to the container of that name."""
+    (match,) = [c for c in pod["containers"] if c["name"] in ("trainer", "node")]
     return match
 
 

@@ -45,6 +45,12 @@ def dashboard_targets() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in panels if p["type"] != "row" for t in p["targets"]]
 
 
+def dashboard_annotations() -> dict[str, str]:
+    """``{annotation name: expr}`` of the dashboard's Prometheus-driven annotations."""
+    board = json.loads(DASHBOARD.read_text())
+    return {a["name"]: a["expr"] for a in board["annotations"]["list"] if "expr" in a}
+
+
 def rule_exprs() -> list[str]:
     groups = yaml.safe_load(RULES.read_text())["groups"]
     return [rule["expr"] for group in groups for rule in group["rules"]]

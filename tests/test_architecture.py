@@ -33,8 +33,9 @@ ALLOWED: dict[str, set[str]] = {
     "training": BASE | {"audit", "config", "workload", "state"},
     "local": BASE | {"audit", "config", "etcd", "agent", "training"},
     "main": BASE | {"config", "agent", "training"},
+    "api": BASE | {"config", "main", "training", "workload"},
     "launch": BASE | {"etcd", "main"},
-    "cli": BASE | {"agent", "launch", "local"},
+    "cli": BASE | {"agent", "config", "launch", "local"},
     "torchrun_plugin": BASE | {"agent", "rendezvous"},
 }
 #: The bottom of the system: nothing of the trainer stack, not even transitively.

@@ -12,12 +12,20 @@ from prom_tools import (
     DASHBOARD,
     REPO,
     check_promql_parses,
+    dashboard_annotations,
     dashboard_targets,
     needs_promtool,
     substitute,
 )
 
 GRAFANA = REPO / "deploy" / "grafana"
+#: Grafana unit ids a panel may use: seconds, bytes, bytes/s, a ratio, requests/s, and
+#: "suffix: <what>/s" or "suffix: <what>" for counts and rates of named things.
+#: "none" is for what has no unit at all (a loss, a step number); "short" is not a unit.
+UNITS = {"s", "bytes", "Bps", "percentunit", "reqps", "none"}
+SUFFIX_UNIT = re.compile(r"suffix: [a-z]+(/s)?")
+#: The panels whose values have no unit, and why: a loss, evaluation metrics, step numbers.
+UNITLESS = {"Training loss", "Evaluation", "Global step", "Last good checkpoint step"}
 
 
 def _generator():  # type: ignore[no-untyped-def]
@@ -101,3 +109,69 @@ def test_provisioning_points_at_the_dashboards_and_prometheus() -> None:
     sources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())
     (source,) = sources["datasources"]
     assert source["type"] == "prometheus" and source["url"].startswith("http")
+
+
+def _panels() -> list[dict]:
+    return [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+
+
+def test_every_panel_has_a_unit() -> None:
+    for panel in _panels():
+        unit = panel["fieldConfig"]["defaults"].get("unit")
+        assert unit in UNITS or (unit and SUFFIX_UNIT.fullmatch(unit)), (panel["title"], unit)
+        assert (unit == "none") == (panel["title"] in UNITLESS), (panel["title"], unit)
+        assert panel["fieldConfig"]["overrides"] == [], "one unit per panel, no overrides"
+
+
+def _expected_unit(expr: str) -> str | None:
+    """The unit a query's metric names imply, where they imply one."""
+    if re.search(r"rate\(\w+_errors_total", expr):
+        return "suffix: errors/s"  # its "or 0 * requests" only fills the gaps with 0
+    if "_cpu_seconds_total" in expr:
+        return "percentunit"  # CPU seconds per second
+    if re.search(r"_bytes_total\b", expr):
+        return "Bps"
+    if re.search(r"_bytes\{", expr):
+        return "bytes"
+    if re.search(r"_seconds_(bucket|sum)\{", expr) or expr.startswith("time() -"):
+        return "s"
+    if re.search(r"_seconds_count\{", expr) and "rate(" in expr:
+        return "reqps"  # a histogram's count: observations (requests) per second
+    if "rate(elastic_train_samples_total" in expr:
+        return "suffix: samples/s"
+    if "rate(elastic_train_steps_total" in expr:
+        return "suffix: steps/s"
+    return None
+
+
+def test_each_panel_unit_matches_every_query_in_it() -> None:
+    """No panel mixes units: each query's metric implies the panel's unit."""
+    checked = 0
+    for panel in _panels():
+        unit = panel["fieldConfig"]["defaults"]["unit"]
+        for item in panel["targets"]:
+            expected = _expected_unit(item["expr"])
+            if expected is not None:
+                checked += 1
+                assert unit == expected, (panel["title"], item["expr"], unit)
+    assert checked >= 12
+
+
+def test_restarts_and_recoveries_are_annotations_driven_by_metrics() -> None:
+    board = json.loads(DASHBOARD.read_text())
+    by_name = {a["name"]: a for a in board["annotations"]["list"]}
+    expected = {
+        "Worker restarts": "elastic_train_restarts_total",
+        "Recoveries": "elastic_train_recovery_seconds_count",
+    }
+    for name, metric in expected.items():
+        item = by_name[name]
+        assert item["enable"] and item["datasource"]["uid"] == "${datasource}"
+        assert item["expr"] == item["target"]["expr"] and metric in item["expr"]
+        assert "{{node}}" in item["textFormat"] and item["tagKeys"] == "node"
+    assert set(dashboard_annotations()) == set(expected)
+
+
+@needs_promtool
+def test_every_annotation_query_parses(tmp_path: Path) -> None:
+    check_promql_parses([substitute(e) for e in dashboard_annotations().values()], tmp_path)

@@ -184,3 +184,23 @@ def test_every_quantity_axis_names_its_unit(name: str) -> None:
             found = re.search(r"\(([^()]*)\)$", label)
             assert found, f"{name}: {label!r} names no unit"
             assert found.group(1).split(",")[0] in UNITS, f"{name}: {label!r}"
+
+
+@pytest.mark.parametrize("name", ["recovery", "scaleup", "preemption"])
+def test_lost_steps_axes_tick_whole_steps(name: str) -> None:
+    ax = _figure(name).axes[1]
+    assert ax.get_ylabel() == "lost steps (steps)"
+    low, high = ax.get_ylim()
+    ticks = [t for t in ax.get_yticks() if low <= t <= high]
+    assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks), ticks
+
+
+@pytest.mark.parametrize("name", ["recovery", "scaleup", "preemption", "throughput",
+                                  "checkpoint_cost"])  # fmt: skip
+def test_every_bar_slot_lies_inside_its_axes(name: str) -> None:
+    """A slot without a bar (no saves, no result) still gets its full width, so the
+    group labels and notes above it are not cut off at the frame."""
+    for ax in _figure(name).axes:
+        slots = len(ax.get_xticklabels())
+        left, right = ax.get_xlim()
+        assert left <= -0.5 and right >= slots - 0.5, (ax.get_ylabel(), left, right, slots)

@@ -18,6 +18,7 @@ from prom_tools import (
     RULES,
     Prometheus,
     check_promql_parses,
+    dashboard_annotations,
     dashboard_targets,
     needs_prometheus,
     needs_promtool,
@@ -30,7 +31,7 @@ from prom_tools import (
 from elastic_train.etcd.server import free_port
 from elastic_train.local.chaos import parse_schedule
 from elastic_train.local.cluster import ClusterSpec
-from elastic_train.local.runner import run_local
+from elastic_train.local.runner import Summary, run_local
 
 pytestmark = pytest.mark.prometheus
 
@@ -142,6 +143,40 @@ def _check_logged_events(path: Path) -> None:
     assert [e["world_size"] for e in events["resumed"]] == [2, 1, 2]  # start, kill, join
 
 
+def _annotation_regions(
+    prom: Prometheus, expr: str, *, node: str, start: float, end: float
+) -> list[tuple[float, float, float]]:
+    """``(first, last, max value)`` of each run of consecutive 1 s steps at which the
+    annotation query returns ``node``: the regions Grafana would draw."""
+    result = prom.query_range(substitute(expr, job=JOB), start=start, end=end)
+    points = [(float(t), float(v)) for series in result if series["metric"]["node"] == node
+              for t, v in series["values"]]  # fmt: skip
+    regions: list[tuple[float, float, float]] = []
+    for t, v in sorted(points):
+        if regions and t - regions[-1][1] <= 1.5:
+            first, _, peak = regions[-1]
+            regions[-1] = (first, t, max(peak, v))
+        else:
+            regions.append((t, t, v))
+    return regions
+
+
+def _check_annotations(prom: Prometheus, summary: Summary, *, start: float, end: float) -> None:
+    """The restart and recovery annotations show node0's restarts and recoveries, when
+    they happened: none before the kill, the first one right after it, and together
+    (a query's value counts the changes in its window) as many as the run had."""
+    kill, join = (e.time for e in summary.events if e.delivered)
+    recoveries = [r for r in summary.recoveries if r.seconds is not None]
+    assert len(recoveries) == 2, summary.recoveries
+    exprs = dashboard_annotations()
+    for name, within in [("Worker restarts", 10.0), ("Recoveries", recoveries[0].seconds + 10)]:
+        regions = _annotation_regions(prom, exprs[name], node="node0", start=start, end=end)
+        assert regions, f"no {name} annotation"
+        # A scrape's timestamp is its start, so a change can carry one up to 1 s early.
+        assert kill - 1 <= regions[0][0] <= kill + within, (name, kill, regions)
+        assert sum(peak for _, _, peak in regions) >= 2, (name, kill, join, regions)
+
+
 JOB = "elastic-train"
 #: Each step takes at least 0.1 s (tests/paced_model.py), so the 75 steps after the
 #: join trigger leave the joiner 7.5 s or more to start and rejoin before the end,
@@ -219,6 +254,7 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(tmp_path: Pat
                                  end=end)  # fmt: skip
         sizes = [float(v) for _, v in world[0]["values"]]
         assert _dipped_and_recovered(sizes, 2.0), sizes
+        _check_annotations(prom, summary, start=start, end=end)
 
         window = f"{int(end - start) + 5}s"
         counters = [

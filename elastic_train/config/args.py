@@ -1,29 +1,38 @@
-"""``main.py``'s command line: ``--config PATH``, ``--print-config``, ``--help`` and overrides."""
+"""``main.py``'s command line: ``--config PATH``, ``--print-config``, ``--help``, ``--log-format``
+and overrides."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, get_args, get_type_hints
 
 from elastic_train.config.describe import describe_config
-from elastic_train.config.job import JobConfig
+from elastic_train.config.job import JobConfig, LoggingConfig
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
 
 # -- command line -------------------------------------------------------------
 
 USAGE = """\
-usage: python -m elastic_train.main [-h] [--config PATH] [--print-config] [--SECTION.KEY=VALUE ...]
+usage: python -m elastic_train.main [-h] [--config PATH] [--print-config]
+                                   [--log-format auto|json|console] [--SECTION.KEY=VALUE ...]
+   or: python elastic_train/main.py [same arguments]
+   or: torchrun [TORCHRUN OPTIONS] -m elastic_train.main [same arguments]
    or: torchrun [TORCHRUN OPTIONS] elastic_train/main.py [same arguments]
 
   --config PATH          TOML file with [section] tables (see docs/training.md)
   --print-config         print the effective configuration as TOML and exit
+  --log-format FORMAT    auto (console on a terminal, JSON lines otherwise), json or
+                         console; the same as --logging.format=FORMAT
   -h, --help             print this help, with every config key below, and exit
   --SECTION.KEY=VALUE    override one field, e.g. --training.steps=100
   --local-rank N         accepted and ignored: LOCAL_RANK comes from the environment
 """
 
 _LEGACY_LOCAL_RANK = ("--local_rank", "--local-rank")
+#: ``--log-format`` is a shorthand of this config key
+_LOG_FORMAT_KEY = "logging.format"
 
 
 @dataclass(frozen=True)
@@ -60,14 +69,14 @@ def help_requested(argv: Sequence[str]) -> bool:
         return False
 
 
-def parse_cli(argv: Sequence[str]) -> CliArgs:
-    """Parse ``main.py``'s arguments; raises :class:`ConfigError` naming the bad one."""
+def parse_cli(argv: Sequence[str], *, base: Mapping[str, Any] | None = None) -> CliArgs:
+    """Parse ``main.py``'s arguments (over ``base``, see :func:`load.load_config`);
+    raises :class:`ConfigError` naming the bad one."""
     scanned = _scan(argv)
     if scanned.help:
         return CliArgs(config=JobConfig(), help=True)
-    return CliArgs(
-        config=load_config(scanned.path, scanned.overrides), print_config=scanned.print_config
-    )
+    config = load_config(scanned.path, scanned.overrides, base=base)
+    return CliArgs(config=config, print_config=scanned.print_config)
 
 
 def _scan(argv: Sequence[str]) -> _Scanned:
@@ -80,13 +89,15 @@ def _scan(argv: Sequence[str]) -> _Scanned:
             scanned.help = True
         elif arg == "--print-config":
             scanned.print_config = True
-        elif name in ("--config", *_LEGACY_LOCAL_RANK):
+        elif name in ("--config", "--log-format", *_LEGACY_LOCAL_RANK):
             if not has_value:
                 if not args:
                     raise ConfigError(f"{name} needs a value")
                 value = args.pop(0)
             if name == "--config":
                 scanned.path = value
+            elif name == "--log-format":
+                scanned.overrides.append(f"{_LOG_FORMAT_KEY}={_log_format(value)}")
         elif arg.startswith("--") and "." in name:
             if not has_value:
                 if not args:
@@ -96,3 +107,10 @@ def _scan(argv: Sequence[str]) -> _Scanned:
         else:
             raise ConfigError(f"unknown argument {arg!r}; expected --SECTION.KEY=VALUE\n{USAGE}")
     return scanned
+
+
+def _log_format(value: str) -> str:
+    choices = get_args(get_type_hints(LoggingConfig)["format"])
+    if value not in choices:
+        raise ConfigError(f"--log-format {value!r}: expected one of {', '.join(choices)}")
+    return value

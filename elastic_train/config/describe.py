@@ -1,15 +1,15 @@
 """Every config key with its type, default and help, read off the dataclasses of ``job.py``.
 
-``main.py --help`` prints :func:`describe_config`; a launcher's ``--help`` can
-print it too (e.g. as an argparse epilog), and :func:`config_keys` gives the same
-in a structured form. Nothing here is written by hand per key: the sections and
+``main.py --help`` prints :func:`describe_config`, and so does ``elastic-train
+local --help`` (as its argparse epilog); :func:`config_keys` gives the same in a
+structured form. Nothing here is written by hand per key: the sections and
 keys come from :data:`~elastic_train.config.job.SECTIONS`, the types from the
 annotations, the defaults from :func:`~elastic_train.config.load.to_toml` of a
 default :class:`~elastic_train.config.job.JobConfig` (so they read exactly as
 ``--print-config`` writes them), and the help from the ``#:`` comment block above
 each field in ``job.py`` (or its trailing ``# ...`` comment). Adding a field
 therefore adds it to the help, and ``tests/test_help_config.py`` fails for a
-field without a comment.
+field without a comment (``tests/test_cli_newcomer.py`` checks ``local --help``).
 
 Only the standard library and ``config`` are imported: ``--help`` never
 imports torch.

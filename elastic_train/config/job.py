@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
+import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -63,12 +65,34 @@ class DataConfig:
     collate_fn: str = ""
     #: Extra settings for a custom dataset factory (--data.options.key=value).
     options: dict[str, Any] = field(default_factory=dict)
+    #: DataLoader worker processes that load the coming micro-batches ahead of
+    #: the step; 0: load in the training process (docs/training.md, "DataLoader workers").
+    num_workers: int = 0
+    #: Micro-batches each worker loads ahead (needs num_workers > 0); 0: torch's default, 2.
+    prefetch_factor: int = 0
+    #: Keep the workers between epochs instead of starting new ones (needs num_workers > 0).
+    persistent_workers: bool = False
+    #: On CUDA, page-lock batches so the copy to the GPU is asynchronous (in the
+    #: DataLoader's pin thread with workers, else just before the copy).
+    pin_memory: bool = True
+    #: How data is loaded, not what: a resume may change these (not in the fingerprint).
+    LOADING_KEYS: ClassVar[tuple[str, ...]] = (
+        "num_workers", "prefetch_factor", "persistent_workers", "pin_memory",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _positive(self, "num_samples", "num_features", "seq_len")
         _check(self, "num_classes", self.num_classes >= 2, "must be >= 2")
         _check(self, "collate_fn", not self.collate_fn or ":" in self.collate_fn,
                'expected "" or an import string package.module:function')  # fmt: skip
+        _check(self, "num_workers", self.num_workers >= 0, "must be >= 0 (0: no workers)")
+        _check(self, "prefetch_factor", self.prefetch_factor >= 0,
+               "must be >= 0 (0: torch's default, 2 per worker)")  # fmt: skip
+        without = "needs data.num_workers > 0 (with 0 the training process loads each "
+        _check(self, "prefetch_factor", self.num_workers > 0 or self.prefetch_factor == 0,
+               without + "micro-batch when the step needs it); set it to 0")  # fmt: skip
+        _check(self, "persistent_workers", self.num_workers > 0 or not self.persistent_workers,
+               without + "micro-batch, there are no workers to keep); set it to false")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,6 +124,17 @@ class TrainingConfig:
     powersgd_start_iter: int = 10  # powersgd only: plain all-reduce steps first
     #: The final loss is measured on the first this many training samples.
     final_loss_samples: int = 256
+    #: torch.compile the model (inductor; needs a C compiler on CPU). Checkpoints
+    #: are the same as without; each (re)start compiles again at its first step,
+    #: from inductor's on-disk cache after the first (docs/training.md).
+    compile: bool = False
+    #: torch.compile's mode when compile = true.
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    #: "ddp": DistributedDataParallel, every rank holds the whole model. "fsdp2":
+    #: torch's fully_shard (per block, then the root; needs torch >= 2.7) with
+    #: torch.distributed.checkpoint checkpoints that resume at any world size;
+    #: no per-step snapshots (docs/training.md, "FSDP2").
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
 
     def __post_init__(self) -> None:
         _check(self, "steps", self.steps >= 0, "must be >= 0")
@@ -111,6 +146,8 @@ class TrainingConfig:
         _positive(self, "global_batch_size", "worker_batch_size", "final_loss_samples")
         _positive(self, "powersgd_rank", "powersgd_start_iter")
         _check(self, "micro_batch_size", self.micro_batch_size >= 0, "must be >= 0 (0: no limit)")
+        if self.parallel == "fsdp2":
+            _check_fsdp2(self)
 
 
 @dataclass(frozen=True)
@@ -174,12 +211,24 @@ class CheckpointConfig:
     async_save: bool = True
     #: Exit (code errors.EXIT_CHECKPOINT_FAILURES) after this many failed saves in a row.
     max_consecutive_failures: int = 3
+    #: Start from these weights only (no optimizer, no step): one of our checkpoint
+    #: (step) directories, a .safetensors or state_dict file, or a Hugging Face model
+    #: directory. Used when the run has no state of its own yet.
+    init_from: str = ""
+    #: Resume the full state of this checkpoint step directory instead of starting
+    #: fresh; ignored once this run's own state is at or past its step.
+    resume_from: str = ""
+    #: At the end of a successful run rank 0 writes model.safetensors and model.pt
+    #: (a plain state dict) here; "": no export.
+    export_dir: str = ""
 
     def __post_init__(self) -> None:
         _positive(self, "max_consecutive_failures")
         _check(self, "interval_steps", self.interval_steps >= 0, "must be >= 0 (0: off)")
         _check(self, "interval_seconds", self.interval_seconds >= 0, "must be >= 0 (0: off)")
         _positive(self, "keep")
+        _check(self, "init_from", not (self.init_from and self.resume_from),
+               "set init_from (weights only) or resume_from (full state), not both")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -272,9 +321,17 @@ class LoggingConfig:
     log_every_steps: int = 10
     #: Directory for the per-step audit records (docs/DESIGN.md); "" disables them.
     audit_dir: str = ""
+    #: TensorBoard event files (rank 0, by step; the ``tensorboard`` extra); "": none.
+    tensorboard_dir: str = ""
+    #: Comma-separated import strings of tracker factories ``factory(cfg) -> Tracker``
+    #: (training/tracking.py), used on rank 0 besides TensorBoard.
+    trackers: str = ""
 
     def __post_init__(self) -> None:
         _positive(self, "log_every_steps")
+        specs = [spec.strip() for spec in self.trackers.split(",") if spec.strip()]
+        _check(self, "trackers", all(":" in spec for spec in specs),
+               "expected comma-separated import strings package.module:factory")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -288,6 +345,25 @@ class JobConfig:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.training.parallel != "fsdp2":
+            return
+        # Evaluation splits samples unevenly over ranks, and a sharded forward is a
+        # collective; a DCP save is a collective too, and each rank's clock would
+        # decide interval_seconds alone; resume_from loads a DDP checkpoint's full state.
+        refused = (
+            ("checkpoint.interval_seconds", self.checkpoint.interval_seconds, "set it to 0"),
+            ("eval.every_steps", self.eval.every_steps, "set it to 0"),
+            ("eval.at_end", self.eval.at_end, "set it to false"),
+            ("checkpoint.resume_from", self.checkpoint.resume_from, 'set it to ""'),
+        )
+        for key, value, fix in refused:
+            if value:
+                raise ConfigError(
+                    f"{key} = {value!r} is not supported with training.parallel = 'fsdp2' "
+                    f"yet; {fix}"
+                )
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
@@ -311,6 +387,30 @@ def _builtin_or_import_string(component: Any, key: str, builtins: tuple[str, ...
            f"use one of {names} or an import string package.module:factory")  # fmt: skip
 
 
+#: The oldest torch whose fully_shard runs on CPU: torch 2.6's fails at the first
+#: forward ("'Stream' object has no attribute 'record_event'", measured here).
+FSDP2_MIN_TORCH = (2, 7)
+
+
+def _check_fsdp2(cfg: TrainingConfig) -> None:
+    """What ``parallel = "fsdp2"`` cannot combine with; read without importing torch."""
+    also = "with training.parallel = 'fsdp2'"
+    _check(cfg, "comm_hook", cfg.comm_hook == "none",
+           f"DDP communication hooks do not apply {also}; use 'none'")  # fmt: skip
+    _check(cfg, "precision", cfg.precision != "fp16",
+           f"fp16's GradScaler checks for inf per rank, which a sharded gradient "
+           f"cannot agree on {also}; use 'bf16' or 'fp32'")  # fmt: skip
+    _check(cfg, "compile", not cfg.compile, f"torch.compile is not supported {also} yet")
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return  # torch's own import error says more
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    _check(cfg, "parallel", found >= FSDP2_MIN_TORCH,
+           f"needs torch >= {'.'.join(map(str, FSDP2_MIN_TORCH))} "
+           f"(installed: {version}); use 'ddp' or upgrade torch")  # fmt: skip
+
+
 #: What a checkpoint's meaning depends on. A resume under a different value
 #: would load tensors into the wrong shapes or replay a different sample order.
 #: World size, batch split, intervals, LR schedule and logging may change.
@@ -332,6 +432,8 @@ def fingerprint(cfg: JobConfig) -> str:
     for name in FINGERPRINT_FIELDS:
         section, _, key = name.partition(".")
         picked[name] = values[section][key] if key else values[section]
+    for key in DataConfig.LOADING_KEYS:  # also keeps fingerprints from before these keys
+        picked.get("data", {}).pop(key, None)
     canonical = json.dumps(picked, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

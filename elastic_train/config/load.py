@@ -26,9 +26,18 @@ else:  # pragma: no cover - Python 3.10 only
 # -- building from TOML and overrides -----------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Defaults, then the TOML file at ``path``, then ``section.key=value`` overrides."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> JobConfig:
+    """Defaults, then ``base`` (``{section: {key: value}}``, a script's own, see
+    ``elastic_train.api.fit``), then the TOML file at ``path``, then ``section.key=value``
+    overrides."""
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    if base is not None:
+        _merge(values, base, source="fit(config=...)")
     if path is not None:
         _merge(values, _read_toml(Path(path)), source=str(path))
     for item in overrides:

@@ -142,6 +142,7 @@ class _Member:
         self.lease = etcdrpc.LeaseStub(self.channel)
         self.watch = etcdrpc.WatchStub(self.channel)
         self.auth = etcdrpc.AuthStub(self.channel)
+        self.maintenance = etcdrpc.MaintenanceStub(self.channel)
 
 
 def _read(path: str | None) -> bytes | None:
@@ -236,6 +237,12 @@ class EtcdClient:
     def delete(self, key: bytes) -> bool:
         request = etcdrpc.DeleteRangeRequest(key=key)
         return self._call(lambda m, kw: m.kv.DeleteRange(request, **kw), op="delete").deleted > 0
+
+    def server_version(self) -> str:
+        """The etcd version (``"3.5.17"``) of the member that answers: Maintenance ``Status``."""
+        request = etcdrpc.StatusRequest()
+        resp = self._call(lambda m, kw: m.maintenance.Status(request, **kw), op="status")
+        return str(resp.version)
 
     def grant_lease(self, ttl: int) -> int:
         request = etcdrpc.LeaseGrantRequest(TTL=ttl)

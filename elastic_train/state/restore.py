@@ -15,6 +15,10 @@ the ranks that could not load it (or do not hold it: a new node with an empty
 ``/dev/shm``, a rank whose listing lags) receive it from the lowest rank that
 did. No rank ever trains from a step the others did not restore.
 
+A sharded (FSDP2) checkpoint has no owner: DCP reads every rank's shards
+from any rank, so :func:`restore_sharded` picks the newest step that every
+rank lists and all ranks load it together (no snapshots, no broadcast).
+
 A state travels in the snapshot slot layout (``snapshot_layout.pack``):
 JSON and raw tensor bytes under checksums, verified on arrival. No peer's
 bytes are ever unpickled.
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 from elastic_train.errors import CheckpointCorruptError, CheckpointMismatchError
 from elastic_train.log import get_logger
+from elastic_train.state.sharded import ShardedCheckpointManager
 from elastic_train.state.snapshot_layout import pack, unpack
 
 if TYPE_CHECKING:
@@ -138,7 +143,7 @@ def agree_on_newest(
 def restore_newest(
     *,
     snapshot: SnapshotStore | None,
-    checkpoint: CheckpointManager | None,
+    checkpoint: CheckpointManager | ShardedCheckpointManager | None,
     group: dist.ProcessGroup | None,
     map_location: str | torch.device,
 ) -> Restored:
@@ -150,6 +155,8 @@ def restore_newest(
     ``CheckpointMismatchError`` on every rank when any rank found the chosen
     checkpoint written under another config.
     """
+    if isinstance(checkpoint, ShardedCheckpointManager):
+        return restore_sharded(checkpoint, group=group, map_location=map_location)
     snapshot_step = snapshot.latest_step() if snapshot is not None else None
     disk_steps = checkpoint.loadable_steps(limit=DISK_STEPS) if checkpoint is not None else []
     table, ranks, me = _gather(_row(snapshot_step, disk_steps), group)
@@ -188,6 +195,32 @@ def restore_newest(
                 map_location=map_location,
             )  # fmt: skip
         return Restored(decision.source, decision.step, state)
+
+
+def restore_sharded(
+    checkpoint: ShardedCheckpointManager,
+    *,
+    group: dist.ProcessGroup | None,
+    map_location: str | torch.device,
+) -> Restored:
+    """The newest DCP checkpoint that every rank can read, loaded by all ranks together.
+
+    DCP reads any rank's shards from any rank, so there is no owner and no
+    broadcast: a step counts only if every rank lists it. A load fails on
+    every rank alike (the checksums and DCP's own errors are agreed on), and
+    then the next newest is tried.
+    """
+    table, _, _ = _gather(_row(None, checkpoint.loadable_steps(limit=DISK_STEPS)), group)
+    common = set.intersection(*({int(s) for s in row[1:].tolist() if s >= 0} for row in table))
+    for step in sorted(common, reverse=True):
+        log.info("restore_agreed", source="disk", step=step, owner_rank=-1, sharded=True)
+        try:
+            return Restored("disk", step, checkpoint.load(step, map_location=map_location))
+        except CheckpointCorruptError as exc:
+            log.warning("restore_candidate_refused", source="disk", step=step, error=str(exc),
+                        fallback="the next newest state")  # fmt: skip
+    log.info("restore_agreed", source="none", step=0, owner_rank=-1, sharded=True)
+    return Restored("none", 0, None)
 
 
 def _load(

@@ -4,8 +4,13 @@ The sampler decides the indices; the dataset returns one item per index; the
 collate function builds the micro-batch from the items. A batch may be any
 pytree of tensors (a dict or other mapping such as ``transformers``'
 ``BatchEncoding``, a tuple, named tuple, list or dataclass); it moves to the
-device recursively. On CUDA each tensor is pinned first and copied with
-``non_blocking=True``, so the copy overlaps the host work that follows.
+device recursively. On CUDA each tensor is pinned first (``data.pin_memory``)
+and copied with ``non_blocking=True``, so the copy overlaps the host work that follows.
+
+The step's micro-batches come from :meth:`BatchLoader.for_step`: loaded right
+then (``data.num_workers = 0``), or ahead of time by DataLoader workers
+(``training/loader.py``). A stream dataset (``PositionalStream``) is read by
+position runs instead of item by item.
 """
 
 from __future__ import annotations
@@ -17,9 +22,17 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from elastic_train.config.job import DataConfig
+from elastic_train.config.job import DataConfig, TrainingConfig
 from elastic_train.errors import ConfigError
-from elastic_train.workload.datasets import Collate, DataBundle, load_batch
+from elastic_train.training.loader import Prefetcher, StepPlan
+from elastic_train.training.sampler import ElasticSampler
+from elastic_train.workload.datasets import (
+    Collate,
+    DataBundle,
+    PositionalStream,
+    load_batch,
+    stream_items,
+)
 from elastic_train.workload.registry import import_string
 
 #: What data.collate_fn accepts, for error messages.
@@ -30,10 +43,11 @@ COLLATE_CONTRACT = (
 )
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
+def to_device(batch: Any, device: torch.device, *, pin: bool = True) -> Any:
     """``batch`` with every tensor in it on ``device``; other leaves (strings,
-    numbers, None) are returned as they are."""
-    return _move(batch, device, pin=device.type == "cuda")
+    numbers, None) are returned as they are. ``pin``: page-lock CPU tensors
+    first on CUDA, for an asynchronous copy."""
+    return _move(batch, device, pin=pin and device.type == "cuda")
 
 
 def _move(obj: Any, device: torch.device, *, pin: bool) -> Any:
@@ -77,6 +91,9 @@ class BatchLoader:
     def __init__(self, data: DataBundle, cfg: DataConfig, *, device: torch.device) -> None:
         self.dataset: Dataset[Any] = data.dataset
         self.device = device
+        self.cfg = cfg
+        self.stream = data.dataset if isinstance(data.dataset, PositionalStream) else None
+        self._prefetcher: Prefetcher | None = None
         self.collate_fn: Collate | None
         if cfg.collate_fn:
             self.collate_fn = import_string(cfg.collate_fn, field="data.collate_fn")
@@ -90,11 +107,15 @@ class BatchLoader:
         #: Torch's collate of a TensorDataset's items is one gather per tensor.
         self._gather = self.collate_fn is None and isinstance(self.dataset, TensorDataset)
 
-    def collate(self, indices: Sequence[int]) -> Any:
-        """The micro-batch of the items at ``indices``, on the CPU."""
+    def collate(self, indices: Sequence[int], *, epoch: int = 0) -> Any:
+        """The micro-batch of the items at ``indices`` (stream positions of
+        ``epoch`` for a stream), on the CPU."""
         if self._gather:
             return load_batch(self.dataset, indices)  # no per-item work
-        items = [self.dataset[i] for i in indices]
+        if self.stream is not None:
+            items = stream_items(self.stream, indices, epoch=epoch)
+        else:
+            items = [self.dataset[i] for i in indices]
         try:
             return (self.collate_fn or default_collate)(items)
         except Exception as exc:
@@ -105,8 +126,48 @@ class BatchLoader:
                 f"{type(exc).__name__}: {exc}. {COLLATE_CONTRACT}"
             ) from exc
 
-    def __call__(self, indices: Sequence[int]) -> Any:
-        return to_device(self.collate(indices), self.device)
+    def __call__(self, indices: Sequence[int], *, epoch: int = 0) -> Any:
+        return to_device(self.collate(indices, epoch=epoch), self.device, pin=self.cfg.pin_memory)
+
+    def start(
+        self, sampler: ElasticSampler, *, step: int, rank: int, world_size: int,
+        training: TrainingConfig,
+    ) -> None:  # fmt: skip
+        """Start loading ahead from ``sampler``'s (restored) position, when
+        ``data.num_workers > 0``; the workers plan the steps until the run's end."""
+        self.close()
+        if self.cfg.num_workers == 0:
+            return
+        plan = StepPlan(
+            sampler.copy(), rank=rank, world_size=world_size,
+            micro_batch_size=training.micro_batch_size, step=step,
+            until_step=training.steps, until_epoch=training.epochs,
+        )  # fmt: skip
+        if plan.done():
+            return  # resumed at the end: nothing to load, no workers to start
+        pin = self.cfg.pin_memory and self.device.type == "cuda"
+        self._prefetcher = Prefetcher(self, plan, self.cfg, pin=pin, seed=training.seed)
+
+    def for_step(self, indices: Sequence[int], *, epoch: int) -> Any:
+        """The step's micro-batch of ``indices`` in ``epoch``, on the device:
+        the one the workers loaded, or loaded now (no workers, or they are
+        out of step: then they are stopped and every later batch loads here)."""
+        if self._prefetcher is not None:
+            taken, batch = self._prefetcher.take(epoch, indices)
+            if taken:
+                return to_device(batch, self.device, pin=self.cfg.pin_memory)
+            self.close()
+        return self(indices, epoch=epoch)
+
+    def close(self) -> None:
+        """Stop the DataLoader workers, if any."""
+        prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker started with spawn/forkserver gets a copy without the workers.
+        return {**self.__dict__, "_prefetcher": None}
 
 
 def _describe(item: Any) -> str:

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +30,6 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from elastic_train.audit import AuditWriter, write_result
 from elastic_train.config.job import JobConfig
-from elastic_train.config.job import fingerprint as config_fingerprint
 from elastic_train.errors import CheckpointWriteError
 from elastic_train.log import get_logger
 from elastic_train.metrics import WorkerMetrics
@@ -42,27 +38,38 @@ from elastic_train.training.batches import BatchLoader
 from elastic_train.training.comm_hooks import CommHook
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
 from elastic_train.training.evaluate import evaluate
+from elastic_train.training.fsdp import (
+    consolidate,
+    node_snapshots,
+    open_checkpoints,
+    shard_model,
+    wrap_for_training,
+)
 from elastic_train.training.guards import LoopGuards, build_eval_set
 from elastic_train.training.losses import TrainingLoss, check_first_micro_batch
 from elastic_train.training.optim import (
-    build_optimizer,
-    build_scheduler,
     global_batch_size,
     restore_learning_rates,
     total_steps,
 )
+from elastic_train.training.parts import ConfiguredParts, TrainingParts
 from elastic_train.training.precision import Precision
+from elastic_train.training.progress_marker import ProgressMarker
 from elastic_train.training.rng import capture_rng_state, restore_rng_state
 from elastic_train.training.sampler import ElasticSampler
-from elastic_train.training.state_sync import NodeSnapshots, open_snapshots, restore_state
+from elastic_train.training.start_finish import (
+    compiled,
+    export_final,
+    prepare_model,
+    restore_or_resume_from,
+)
+from elastic_train.training.state_sync import NodeSnapshots
 from elastic_train.training.step import run_step
+from elastic_train.training.tracking import Tracking, open_tracking
 from elastic_train.workload.datasets import DataBundle
-from elastic_train.workload.registry import DATASETS, MODELS
 
 log = get_logger(__name__)
 
-#: In the checkpoint directory: the last completed step (see ProgressMarker).
-PROGRESS_FILE = "progress.json"
 #: Evaluation chunk for the final loss: fixed, so the number is the same in every run.
 _EVAL_CHUNK = 64
 
@@ -95,6 +102,7 @@ class Trainer:
     last_save_time: float = field(default_factory=time.monotonic)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics.from_env)
     snapshots: NodeSnapshots | None = None
+    tracking: Tracking = field(default_factory=lambda: Tracking([], watermark_dir=""))
     #: Set by build() after the restore.
     ddp: DistributedDataParallel = field(init=False)
 
@@ -111,32 +119,32 @@ class TrainResult:
 
 
 def wrap_model(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
-    """The DDP wrapper; the place to register communication hooks."""
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    """The DDP wrapper (fsdp2: ``fsdp.ShardedModel``); the place to register comm hooks."""
+    return wrap_for_training(model, ctx)  # type: ignore[return-value]
 
 
-def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
-    """Set up every part of the trainer and restore the latest checkpoint."""
-    data = DATASETS.resolve(cfg.data.name)(cfg.data)
+def build(cfg: JobConfig, ctx: DistContext, parts: TrainingParts | None = None) -> Trainer:
+    """Set up the trainer with ``parts`` (None: the config's) and restore the latest state."""
+    parts = parts or ConfiguredParts(cfg)
+    data = parts.data()
     batch = global_batch_size(cfg.training, ctx.world_size)
     torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank
     random.seed(cfg.training.seed)
-    model = MODELS.resolve(cfg.model.name)(cfg.model, data.info).to(ctx.device)
-    optimizer = build_optimizer(cfg.optimizer, model)
+    model = parts.model(data.info).to(ctx.device)
     steps = total_steps(cfg.training, dataset_len=len(data), batch_size=batch)
-    scheduler = build_scheduler(cfg, optimizer, total=steps, world_size=ctx.world_size)
-    loss, batches = TrainingLoss(cfg.model), BatchLoader(data, cfg.data, device=ctx.device)
+    loss, batches = parts.loss(), BatchLoader(data, cfg.data, device=ctx.device)
     precision = Precision(cfg.training.precision, device=ctx.device)
     # Before the first collective: a bad collate function or loss fails here, on every rank.
     size = min(4, cfg.training.micro_batch_size or 4)  # no more than a step's forward holds
     check_first_micro_batch(model, loss, batches, size=size, autocast=precision.autocast)
-    checkpoint = None
-    if cfg.checkpoint.dir:
-        checkpoint = CheckpointManager(
-            cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=config_fingerprint(cfg),
-            async_save=cfg.checkpoint.async_save, is_writer=ctx.is_main,
-        )  # fmt: skip
+    prepare_model(model, cfg)  # init_from, resume_from: also before the first collective
+    model = shard_model(model, cfg.training, ctx)  # fsdp2; before the optimizer sees parameters
+    optimizer = parts.optimizer(model)
+    scheduler = parts.scheduler(optimizer, total=steps, world_size=ctx.world_size)
+    fingerprint = parts.fingerprint(model, data)
+    checkpoint = open_checkpoints(
+        cfg, ctx, fingerprint=fingerprint, model=model, optimizer=optimizer
+    )
     attempt = broadcast_attempt_id(ctx)
     audit = None
     if cfg.logging.audit_dir:
@@ -147,7 +155,7 @@ def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
     trainer = Trainer(
         cfg=cfg, ctx=ctx, data=data, model=model,
         loss=loss, batches=batches, optimizer=optimizer, scheduler=scheduler,
-        sampler=ElasticSampler(len(data), global_batch_size=batch, seed=cfg.training.seed),
+        sampler=ElasticSampler.for_data(data, global_batch_size=batch, seed=cfg.training.seed),
         checkpoint=checkpoint, audit=audit, attempt=attempt, total_steps=steps,
         precision=precision,
         comm_hook=CommHook(
@@ -156,48 +164,16 @@ def build(cfg: JobConfig, ctx: DistContext) -> Trainer:
         ),
         guards=LoopGuards(cfg, device=ctx.device), eval_set=build_eval_set(cfg, data),
         progress=ProgressMarker(cfg.checkpoint.dir, writer=ctx.is_main),
-        snapshots=open_snapshots(cfg.elastic, ctx.env, fingerprint=config_fingerprint(cfg)),
+        snapshots=node_snapshots(cfg, ctx.env, fingerprint=fingerprint),
+        tracking=open_tracking(cfg, is_main=ctx.is_main),
     )  # fmt: skip
     restore(trainer)
     # Wrapped after the restore: DDP's constructor broadcasts rank 0's weights.
-    trainer.ddp = trainer.comm_hook.register(wrap_model(model, ctx))
+    trainer.ddp = trainer.comm_hook.register(wrap_model(compiled(model, cfg.training), ctx))
     return trainer
 
 
 # -- state ----------------------------------------------------------------------
-
-
-class ProgressMarker:
-    """The last completed step, which rank 0 overwrites in place after every step.
-
-    A restart counts the steps it lost (work redone) as this minus the step of
-    the checkpoint it restores. One fixed-width ``pwrite`` per step: a rename
-    or fsync per step would cost milliseconds on network storage.
-    """
-
-    def __init__(self, directory: str, *, writer: bool) -> None:
-        self.path = Path(directory) / PROGRESS_FILE if directory else None
-        self.writer = writer and self.path is not None
-        self._fd = -1
-
-    def read(self) -> int:
-        try:
-            return int(json.loads(self.path.read_text())["step"]) if self.path else 0
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0
-
-    def record(self, step: int) -> None:
-        if not self.writer:
-            return
-        if self._fd < 0:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)  # type: ignore[arg-type]
-        # Fixed width, so each write covers the previous one; still valid JSON.
-        os.pwrite(self._fd, f'{{"step": {step:20d}}}\n'.encode(), 0)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 def state_dict(t: Trainer) -> dict[str, Any]:
@@ -230,7 +206,7 @@ def load_state_dict(t: Trainer, state: dict[str, Any]) -> None:
 
 def restore(t: Trainer) -> None:
     """Load the newest state of any node's snapshot or the disk; record the (re)start."""
-    restored = restore_state(t.snapshots, t.checkpoint, device=t.ctx.device)
+    restored = restore_or_resume_from(t.snapshots, t.checkpoint, cfg=t.cfg, device=t.ctx.device)
     saved_world_size = None
     if restored.state is not None:
         load_state_dict(t, restored.state)
@@ -311,6 +287,8 @@ def train(t: Trainer) -> TrainResult:
     )  # fmt: skip
     t.ddp.train()
     t.guards.install()
+    t.batches.start(t.sampler, step=t.step, rank=t.ctx.rank, world_size=t.ctx.world_size,
+                    training=t.cfg.training)  # fmt: skip
     save_checkpoint(t, reason="restored_from_snapshot")  # a no-op unless restore() asked
     while not finished(t):
         outcome = run_step(t, state=lambda: state_dict(t))
@@ -332,7 +310,7 @@ def train(t: Trainer) -> TrainResult:
     if t.cfg.eval.at_end:
         run_evaluation(t, reason="end")
     with t.guards.long_operation("finish"):
-        return finish(t)
+        return finish(consolidate(t))
 
 
 def run_evaluation(t: Trainer, *, reason: str) -> None:
@@ -345,6 +323,7 @@ def run_evaluation(t: Trainer, *, reason: str) -> None:
             collate_fn=t.batches.collate_fn,
         )  # fmt: skip
     t.metrics.evaluated(metrics={"loss": result.loss, "accuracy": result.accuracy})
+    t.tracking.log(t.step, {"eval/loss": result.loss, "eval/accuracy": result.accuracy})
     log.info("evaluation", step=t.step, reason=reason, **result.as_dict())
 
 
@@ -369,6 +348,7 @@ def finish(t: Trainer) -> TrainResult:
     loss = final_loss(t)
     result = TrainResult(final_step=t.step, epoch=t.sampler.epoch, final_loss=loss)
     log.info("training_finished", final_step=t.step, final_loss=round(loss, 6))
+    export_final(t)  # checkpoint.export_dir
     if t.cfg.logging.audit_dir:
         summary = {
             "final_step": t.step, "final_loss": loss, "epoch": t.sampler.epoch,
@@ -390,6 +370,8 @@ def close(t: Trainer, *, release_group: bool = True) -> None:
     if t.audit is not None:
         t.audit.close()
     t.progress.close()
+    t.batches.close()  # DataLoader workers
+    t.tracking.close()
     if t.snapshots is not None:
         t.snapshots.close(completed=finished(t))  # a completed run's snapshot is removed
     # DDP's C++ reducer holds the process group. Were it the last holder, the

@@ -47,13 +47,18 @@ _CONTRACTS = {
 class TrainingLoss:
     """The user's loss function in the form ``model.loss_form`` names."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, fn: Callable[..., Any] | None = None, source: str = ""
+    ) -> None:
+        """``fn``: a script's own loss function (``source`` names it in errors) instead of
+        ``model.loss``."""
         self.form = cfg.loss_form
         registry = SUM_COUNT_LOSSES if self.form == "sum_count" else LOSSES
-        self.fn: Callable[..., Any] = registry.resolve(cfg.loss)
+        self.fn: Callable[..., Any] = fn if fn is not None else registry.resolve(cfg.loss)
         #: A micro-batch's count is known only after its forward: the step all-reduces it.
         self.counted = self.form == "sum_count"
-        self.source = f"model.loss = {cfg.loss!r} (model.loss_form = {self.form!r})"
+        name = source or f"model.loss = {cfg.loss!r}"
+        self.source = f"{name} (model.loss_form = {self.form!r})"
 
     @property
     def contract(self) -> str:

@@ -11,7 +11,7 @@ thing is a ConfigError naming the key, raised when the trainer is built.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -40,6 +40,15 @@ SCHEDULE_CONTRACT = (
     f"schedule.name takes {', '.join(BUILTIN_SCHEDULES)} or an import string "
     "package.module:factory of factory(optimizer, **schedule.options) -> "
     "torch.optim.lr_scheduler.LRScheduler, stepped once per optimizer step"
+)
+#: The same contracts for the factories a script hands to elastic_train.api.fit.
+FIT_OPTIMIZER_CONTRACT = (
+    "fit(optimizer=...) takes factory(model) -> torch.optim.Optimizer over the "
+    "parameters of the model it is given (any optimizer, any parameter groups)"
+)
+FIT_SCHEDULE_CONTRACT = (
+    "fit(scheduler=...) takes factory(optimizer) -> torch.optim.lr_scheduler.LRScheduler "
+    "of the optimizer it is given, stepped once per optimizer step"
 )
 
 
@@ -72,29 +81,41 @@ def lr_multiplier(cfg: ScheduleConfig, step: int, *, total: int) -> float:
     return 1.0 - (1 - cfg.min_lr_ratio) * progress
 
 
-def _call_factory(key: str, spec: str, contract: str, factory: Callable[..., Any],
+def _call_factory(source: str, contract: str, factory: Callable[..., Any],
                   *args: Any, **options: Any) -> Any:  # fmt: skip
     try:
         return factory(*args, **options)
     except Exception as exc:
         raise ConfigError(
-            f"{key} = {spec!r}: the factory raised {type(exc).__name__}: {exc}; {contract}"
+            f"{source}: the factory raised {type(exc).__name__}: {exc}; {contract}"
         ) from exc
+
+
+def checked_optimizer(
+    source: str,
+    factory: Callable[..., Any],
+    model: nn.Module,
+    *,
+    contract: str = OPTIMIZER_CONTRACT,
+    options: Mapping[str, Any] | None = None,
+) -> torch.optim.Optimizer:
+    """``factory(model, **options)``, checked; ``source`` names it in errors
+    (``optimizer.name = '...'``, or ``fit(optimizer=...)`` for a script's)."""
+    optimizer = _call_factory(source, contract, factory, model, **(options or {}))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"{source}: the factory returned a {type(optimizer).__name__}, not a "
+            f"torch.optim.Optimizer; {contract}"
+        )
+    _check_optimized_parameters(source, optimizer, model, contract)
+    return optimizer
 
 
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.name not in BUILTIN_OPTIMIZERS:
         factory = import_string(cfg.name, field="optimizer.name")
-        optimizer = _call_factory(
-            "optimizer.name", cfg.name, OPTIMIZER_CONTRACT, factory, model, **cfg.options
-        )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"optimizer.name = {cfg.name!r}: the factory returned a "
-                f"{type(optimizer).__name__}, not a torch.optim.Optimizer; {OPTIMIZER_CONTRACT}"
-            )
-        _check_optimized_parameters(cfg.name, optimizer, model)
-        return optimizer
+        source = f"optimizer.name = {cfg.name!r}"
+        return checked_optimizer(source, factory, model, options=cfg.options)
     params = list(model.parameters())
     if cfg.name == "sgd":
         return torch.optim.SGD(
@@ -107,7 +128,7 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optim
 
 
 def _check_optimized_parameters(
-    spec: str, optimizer: torch.optim.Optimizer, model: nn.Module
+    source: str, optimizer: torch.optim.Optimizer, model: nn.Module, contract: str
 ) -> None:
     """Every optimized tensor must be one of the model's parameters (the ones
     DDP synchronises and the checkpoint saves); a trainable parameter left out
@@ -116,9 +137,8 @@ def _check_optimized_parameters(
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if not optimized <= owned.keys():
         raise ConfigError(
-            f"optimizer.name = {spec!r}: the optimizer holds {len(optimized - owned.keys())} "
-            "tensors that are not parameters of the model it was given; "
-            f"{OPTIMIZER_CONTRACT}"
+            f"{source}: the optimizer holds {len(optimized - owned.keys())} "
+            f"tensors that are not parameters of the model it was given; {contract}"
         )
     left_out = [name for key, name in owned.items() if key not in optimized]
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -141,9 +161,23 @@ def build_scheduler(
 def _user_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:
     spec = cfg.schedule.name
     factory = import_string(spec, field="schedule.name")
-    scheduler = _call_factory(
-        "schedule.name", spec, SCHEDULE_CONTRACT, factory, optimizer, **cfg.schedule.options
-    )
+    return checked_scheduler(
+        f"schedule.name = {spec!r}", factory, optimizer, batch_mode=cfg.training.batch_mode,
+        options=cfg.schedule.options,
+    )  # fmt: skip
+
+
+def checked_scheduler(
+    source: str,
+    factory: Callable[..., Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    batch_mode: str,
+    contract: str = SCHEDULE_CONTRACT,
+    options: Mapping[str, Any] | None = None,
+) -> LRScheduler:
+    """``factory(optimizer, **options)``, checked; ``source`` names it in errors."""
+    scheduler = _call_factory(source, contract, factory, optimizer, **(options or {}))
     problem = None
     if isinstance(scheduler, ReduceLROnPlateau):
         problem = "a ReduceLROnPlateau, which needs a metric at every step"
@@ -152,11 +186,10 @@ def _user_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer) -> LRSched
     elif scheduler.optimizer is not optimizer:
         problem = "a scheduler of another optimizer than the one it was given"
     if problem is not None:
-        raise ConfigError(f"schedule.name = {spec!r}: the factory returned {problem}; "
-                          f"{SCHEDULE_CONTRACT}")  # fmt: skip
-    if cfg.training.batch_mode == "per_worker":
+        raise ConfigError(f"{source}: the factory returned {problem}; {contract}")
+    if batch_mode == "per_worker":
         # Only the built-in schedules scale the LR with the world size.
-        log.warning("per_worker_lr_not_scaled", schedule=spec)
+        log.warning("per_worker_lr_not_scaled", schedule=source)
     return scheduler
 
 

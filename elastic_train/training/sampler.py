@@ -6,25 +6,25 @@ global batch (the next ``global_batch_size`` indices of the permutation) and
 takes its own contiguous shard of it. After a restart at any world size the
 remaining samples of the epoch are simply dealt out again, so no sample is
 padded, duplicated or dropped.
+
+A stream dataset (``workload.datasets.PositionalStream``) keeps its own order,
+so its sampler does not shuffle: index ``i`` is position ``i`` of the epoch's
+stream, and a rank's shard of each global batch is one contiguous read.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elastic_train.errors import ConfigError
+from elastic_train.workload.datasets import derived_seed
+
+if TYPE_CHECKING:
+    from elastic_train.workload.datasets import DataBundle
 
 _STATE_KEYS = frozenset({"seed", "epoch", "samples_consumed"})
-
-
-def _generator_seed(seed: int, epoch: int) -> int:
-    # Hashing (seed, epoch) keeps nearby pairs such as (1, 0) and (0, 1) from
-    # sharing a stream, which plain arithmetic like seed + epoch would not.
-    digest = hashlib.sha256(f"elastic_train.sampler:{seed}:{epoch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> int:
@@ -36,18 +36,40 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
 class ElasticSampler:
     """Deterministic global batches from ``(seed, epoch, samples_consumed)``."""
 
-    def __init__(self, dataset_len: int, *, global_batch_size: int, seed: int) -> None:
+    def __init__(
+        self, dataset_len: int, *, global_batch_size: int, seed: int, shuffle: bool = True
+    ) -> None:
         self.dataset_len = _check_int("dataset_len", dataset_len, minimum=1)
         self.global_batch_size = _check_int("global_batch_size", global_batch_size, minimum=1)
         self.seed = _check_int("seed", seed, minimum=0)
+        #: False: every epoch in index order (a stream that orders itself).
+        self.shuffle = shuffle
         self.epoch = 0
         self.samples_consumed = 0
         self._cached: tuple[int, int, list[int]] | None = None
 
+    @classmethod
+    def for_data(cls, data: DataBundle, *, global_batch_size: int, seed: int) -> ElasticSampler:
+        """The sampler of ``data``: shuffled, except for a stream, which orders itself."""
+        return cls(len(data), global_batch_size=global_batch_size, seed=seed,
+                   shuffle=not data.streamed)  # fmt: skip
+
+    def copy(self) -> ElasticSampler:
+        """An independent sampler at the same position (a look-ahead cursor)."""
+        twin = ElasticSampler(
+            self.dataset_len, global_batch_size=self.global_batch_size, seed=self.seed,
+            shuffle=self.shuffle,
+        )  # fmt: skip
+        twin.load_state_dict(self.state_dict())
+        twin._cached = self._cached  # the order list is never mutated, so sharing it is safe
+        return twin
+
     def permutation(self, epoch: int) -> torch.Tensor:
         """The order of the dataset in ``epoch``; the same on every rank and every run."""
+        if not self.shuffle:
+            return torch.arange(self.dataset_len)
         generator = torch.Generator()
-        generator.manual_seed(_generator_seed(self.seed, epoch))
+        generator.manual_seed(derived_seed("elastic_train.sampler", self.seed, epoch))
         return torch.randperm(self.dataset_len, generator=generator)
 
     def _current_order(self) -> list[int]:

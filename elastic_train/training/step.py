@@ -56,9 +56,22 @@ def micro_batches(shard: list[int], micro_batch_size: int) -> list[list[int]]:
     return [shard[i : i + size] for i in range(0, len(shard), size)]
 
 
+def step_chunks(
+    batch: list[int], shard: list[int], micro_batch_size: int
+) -> tuple[list[list[int]], float]:
+    """This rank's micro-batches of a step and the weight of their loss (also
+    what DataLoader workers load ahead, ``training/loader.py``).
+
+    An empty shard (a short last batch on many ranks) must still join DDP's
+    all-reduce: a real sample with weight zero adds a zero gradient.
+    """
+    chunks = micro_batches(shard, micro_batch_size)
+    return (chunks, 1.0) if chunks else ([batch[:1]], 0.0)
+
+
 def forward(t: Trainer, indices: list[int]) -> tuple[torch.Tensor, Any]:
     """The summed loss of one micro-batch, and the units (samples, tokens) it covers."""
-    batch = t.batches(indices)
+    batch = t.batches.for_step(indices, epoch=t.sampler.epoch)
     with t.precision.autocast():
         return t.loss.micro_batch(t.ddp, batch, len(indices))
 
@@ -116,11 +129,7 @@ def train_step(
     goes) lets any rank finish the step.
     """
     scale = t.ctx.world_size / len(batch)
-    chunks, weight = micro_batches(shard, t.cfg.training.micro_batch_size), 1.0
-    if not chunks:
-        # An empty shard (a short last batch on many ranks) must still join
-        # DDP's all-reduce: a real sample with weight zero adds a zero gradient.
-        chunks, weight = [batch[:1]], 0.0
+    chunks, weight = step_chunks(batch, shard, t.cfg.training.micro_batch_size)
     counted = t.loss.counted
     loss_sum: torch.Tensor | None = None
     count: Any = 0
@@ -218,6 +227,9 @@ def report_step(t: Trainer, stats: StepStats, *, local_samples: int) -> None:
     )  # fmt: skip
     if log_due(t, stats):
         t.last_logged_step = stats.step
+        rate = stats.samples / stats.seconds
+        t.tracking.log(stats.step, {"train/loss": stats.loss, "train/lr": stats.lr,
+                                    "train/samples_per_second": rate})  # fmt: skip
         log.info(
             "step", step=stats.step, epoch=stats.epoch, loss=round(stats.loss or 0.0, 5),
             lr=stats.lr, world_size=t.ctx.world_size, step_seconds=round(stats.seconds, 4),

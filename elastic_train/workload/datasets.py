@@ -2,7 +2,9 @@
 
 Every built-in dataset is small and in memory, and every sample is ``(input, target)``.
 A user's dataset returns any item by index; its collate function (``DataBundle.collate_fn``
-or ``data.collate_fn``) turns a list of items into a batch of any structure.
+or ``data.collate_fn``) turns a list of items into a batch of any structure. A
+dataset read as a stream implements :class:`PositionalStream` instead
+(``workload/streams.py`` has a built-in one).
 See ``elastic_train/workload/data/README.md`` for the sources and licenses of the
 bundled files.
 """
@@ -11,19 +13,69 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
 from elastic_train.config.job import DataConfig
+from elastic_train.errors import ConfigError
 from elastic_train.workload.registry import DATASETS
 
 Collate = Callable[[list[Any]], Any]
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` (e.g. a name, a seed and an epoch), hashed so
+    that nearby tuples such as (1, 0) and (0, 1) do not share a random stream,
+    which plain arithmetic like seed + epoch would not."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@runtime_checkable
+class PositionalStream(Protocol):
+    """A dataset read as a stream that can start at any position of an epoch.
+
+    ``len()`` is the number of samples in one epoch. ``read(epoch, start, count)``
+    yields the items at positions ``start .. start + count - 1`` of the epoch's
+    order. The stream defines that order itself (e.g. shards shuffled by a seed
+    and the epoch); it must be the same in every process and every run, so a
+    position names one sample. The trainer does not shuffle a stream: each rank
+    reads its contiguous share of each global batch, from the global position
+    the sampler saved, so a resume at any world size is exact
+    (docs/training.md, "Iterable datasets").
+    """
+
+    def __len__(self) -> int: ...
+
+    def read(self, epoch: int, start: int, count: int) -> Iterable[Any]: ...
+
+
+def stream_items(stream: PositionalStream, indices: Sequence[int], *, epoch: int) -> list[Any]:
+    """The items at stream positions ``indices`` of ``epoch``: one ``read`` per
+    contiguous run of positions (a rank's shard of a step is a single run)."""
+    items: list[Any] = []
+    start = 0
+    for end in range(1, len(indices) + 1):
+        if end == len(indices) or indices[end] != indices[end - 1] + 1:
+            count = end - start
+            got = list(stream.read(epoch, int(indices[start]), count))
+            if len(got) != count:
+                name, first = type(stream).__name__, indices[start]
+                raise ConfigError(
+                    f"data.name: {name}.read(epoch={epoch}, start={first}, count={count}) "
+                    f"yielded {len(got)} items; a stream of len() {len(stream)} must yield "
+                    "exactly count items"
+                )
+            items += got
+            start = end
+    return items
 
 
 @dataclass(frozen=True)
@@ -38,8 +90,22 @@ class DataBundle:
     #: ``default_collate``. ``data.collate_fn``, when set, takes precedence.
     collate_fn: Collate | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.dataset, IterableDataset) and not self.streamed:
+            raise ConfigError(
+                f"data.name: {type(self.dataset).__name__} is an IterableDataset, which has no "
+                "position a resume could start from; use a map-style dataset (__len__ and "
+                "__getitem__) or a PositionalStream (__len__ and read(epoch, start, count)), "
+                'docs/training.md, "Iterable datasets"'
+            )
+
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the dataset is read as a :class:`PositionalStream`."""
+        return isinstance(self.dataset, PositionalStream)
 
 
 def load_batch(dataset: Dataset[Any], indices: Sequence[int]) -> Any:

@@ -102,3 +102,4 @@ def _load_builtins() -> None:
     # not at the top, avoids an import cycle (they import this module).
     importlib.import_module("elastic_train.workload.models")
     importlib.import_module("elastic_train.workload.datasets")
+    importlib.import_module("elastic_train.workload.streams")
