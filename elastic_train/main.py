@@ -66,9 +66,10 @@ from elastic_train.training.distributed import (
     init_distributed,
     read_worker_env,
     teardown,
+    worker_device,
 )
 from elastic_train.training.loop import Trainer, TrainResult, build, close, train
-from elastic_train.training.parts import TrainingParts
+from elastic_train.training.parts import TrainingParts, prepare
 
 log = get_logger("elastic_train.main")
 
@@ -106,7 +107,9 @@ def train_worker(
     _setup_logging(cfg, env)
     trainer: Trainer | None = None
     try:
-        trainer = build(cfg, init_distributed(env, cfg.elastic), parts)
+        # Model, data and loss are checked before this worker joins any group.
+        prepared = prepare(cfg, worker_device(env, cfg.elastic), parts)
+        trainer = build(cfg, init_distributed(env, cfg.elastic), prepared=prepared)
         return train(trainer)
     except (ConfigError, CheckpointMismatchError) as exc:
         log.error("config_error", error=str(exc))

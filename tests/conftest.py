@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -55,11 +56,25 @@ def _remove_session_snapshots() -> Iterator[None]:
     """Remove the /dev/shm snapshot dirs this session's runs left behind.
 
     Killed nodes and interrupted runs cannot remove their own; /dev/shm is RAM.
-    Only directories created after the session started are touched.
+    Only directories created after the session started are touched, and only
+    when no other pytest session of this user is running: every session holds
+    a shared lock for its lifetime, and cleans up only if it can take the lock
+    exclusively. Otherwise it would remove the live snapshots of the other
+    session's runs (seen: a restart then resumed from disk and lost a step).
     """
     started = time.time()
-    yield
-    for path in Path("/dev/shm").glob(f"elastic_train-{os.getuid()}-*"):
-        with contextlib.suppress(OSError):
-            if path.stat().st_mtime >= started:
-                shutil.rmtree(path, ignore_errors=True)
+    lock_path = f"/dev/shm/elastic_train_pytest-{os.getuid()}.lock"
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    try:
+        yield
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another session runs: its snapshots may be among the new ones
+        for path in Path("/dev/shm").glob(f"elastic_train-{os.getuid()}-*"):
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime >= started:
+                    shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(lock)

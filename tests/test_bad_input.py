@@ -138,6 +138,10 @@ def test_bad_loss_collate_or_factory_is_refused_before_training(
         assert text in error, error
     # Refused while building, before the first collective and the first step.
     assert not {"resumed", "training_started", "step"} & {e["event"] for e in events}
+    if not any(a.startswith(("--optimizer", "--schedule")) for a in args):
+        # Loss and collate are checked before this worker joins a process group;
+        # the optimizer and schedule factories need the (possibly sharded) model.
+        assert "process_group_ready" not in {e["event"] for e in events}
 
 
 def _plant(directory: Path, step: int, payload: bytes, *, fingerprint_: str) -> None:

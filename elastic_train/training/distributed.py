@@ -125,13 +125,20 @@ def wait_for_listener(host: str, port: int, *, timeout: float) -> bool:
             time.sleep(0.01)
 
 
+def worker_device(env: WorkerEnv, cfg: ElasticConfig) -> torch.device:
+    """This worker's device: GPU ``LOCAL_RANK`` (made current) under NCCL, else the CPU."""
+    if choose_backend(cfg.backend, cuda_available=torch.cuda.is_available()) != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_distributed(env: WorkerEnv, cfg: ElasticConfig) -> DistContext:
     """Join the process group; each NCCL worker is bound to GPU ``LOCAL_RANK``."""
     backend = choose_backend(cfg.backend, cuda_available=torch.cuda.is_available())
-    device = torch.device("cpu")
+    device = worker_device(env, cfg)
     if backend == "nccl":
-        device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(device)
         # Abort the communicator on a failed or timed-out collective (torch's
         # current default, pinned): a dead peer then ends the step with an error
         # after pg_timeout_seconds instead of blocking the GPU stream for good.

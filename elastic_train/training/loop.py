@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,13 +45,13 @@ from elastic_train.training.fsdp import (
     wrap_for_training,
 )
 from elastic_train.training.guards import LoopGuards, build_eval_set
-from elastic_train.training.losses import TrainingLoss, check_first_micro_batch
+from elastic_train.training.losses import TrainingLoss
 from elastic_train.training.optim import (
     global_batch_size,
     restore_learning_rates,
     total_steps,
 )
-from elastic_train.training.parts import ConfiguredParts, TrainingParts
+from elastic_train.training.parts import Prepared, TrainingParts, prepare
 from elastic_train.training.precision import Precision
 from elastic_train.training.progress_marker import ProgressMarker
 from elastic_train.training.rng import capture_rng_state, restore_rng_state
@@ -60,7 +59,6 @@ from elastic_train.training.sampler import ElasticSampler
 from elastic_train.training.start_finish import (
     compiled,
     export_final,
-    prepare_model,
     restore_or_resume_from,
 )
 from elastic_train.training.state_sync import NodeSnapshots
@@ -123,22 +121,20 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
     return wrap_for_training(model, ctx)  # type: ignore[return-value]
 
 
-def build(cfg: JobConfig, ctx: DistContext, parts: TrainingParts | None = None) -> Trainer:
-    """Set up the trainer with ``parts`` (None: the config's) and restore the latest state."""
-    parts = parts or ConfiguredParts(cfg)
-    data = parts.data()
+def build(
+    cfg: JobConfig,
+    ctx: DistContext,
+    parts: TrainingParts | None = None,
+    *,
+    prepared: Prepared | None = None,
+) -> Trainer:
+    """Set up the trainer and restore the latest state; ``prepared``: :func:`prepare`'s
+    result for ``ctx.device`` (None: prepared here with ``parts``)."""
+    p = prepared or prepare(cfg, ctx.device, parts)
+    parts, data, loss, batches, precision = p.parts, p.data, p.loss, p.batches, p.precision
     batch = global_batch_size(cfg.training, ctx.world_size)
-    torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank
-    random.seed(cfg.training.seed)
-    model = parts.model(data.info).to(ctx.device)
     steps = total_steps(cfg.training, dataset_len=len(data), batch_size=batch)
-    loss, batches = parts.loss(), BatchLoader(data, cfg.data, device=ctx.device)
-    precision = Precision(cfg.training.precision, device=ctx.device)
-    # Before the first collective: a bad collate function or loss fails here, on every rank.
-    size = min(4, cfg.training.micro_batch_size or 4)  # no more than a step's forward holds
-    check_first_micro_batch(model, loss, batches, size=size, autocast=precision.autocast)
-    prepare_model(model, cfg)  # init_from, resume_from: also before the first collective
-    model = shard_model(model, cfg.training, ctx)  # fsdp2; before the optimizer sees parameters
+    model = shard_model(p.model, cfg.training, ctx)  # fsdp2; before the optimizer sees parameters
     optimizer = parts.optimizer(model)
     scheduler = parts.scheduler(optimizer, total=steps, world_size=ctx.world_size)
     fingerprint = parts.fingerprint(model, data)

@@ -15,6 +15,7 @@ step, the audit) is the same for both, so a script gets the same recovery.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,7 +28,8 @@ from torch.utils.data import Dataset
 from elastic_train.config.job import JobConfig
 from elastic_train.config.job import fingerprint as config_fingerprint
 from elastic_train.errors import ConfigError
-from elastic_train.training.losses import TrainingLoss
+from elastic_train.training.batches import BatchLoader
+from elastic_train.training.losses import TrainingLoss, check_first_micro_batch
 from elastic_train.training.optim import (
     FIT_OPTIMIZER_CONTRACT,
     FIT_SCHEDULE_CONTRACT,
@@ -36,6 +38,8 @@ from elastic_train.training.optim import (
     checked_optimizer,
     checked_scheduler,
 )
+from elastic_train.training.precision import Precision
+from elastic_train.training.start_finish import prepare_model
 from elastic_train.workload.datasets import Collate, DataBundle
 from elastic_train.workload.registry import DATASETS, MODELS
 
@@ -168,3 +172,35 @@ def _name(fn: Any) -> str:
 def _require(ok: bool, key: str, value: Any, expected: str) -> None:
     if not ok:
         raise ConfigError(f"fit({key}=...): got a {type(value).__name__}; expected {expected}")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare` built and checked before any process group exists."""
+
+    parts: TrainingParts
+    data: DataBundle
+    model: nn.Module
+    loss: TrainingLoss
+    batches: BatchLoader
+    precision: Precision
+
+
+def prepare(cfg: JobConfig, device: torch.device, parts: TrainingParts | None = None) -> Prepared:
+    """Build model, data and loss with ``parts`` (None: the config's) and check them.
+
+    No collective runs here, so main.py calls it before joining the process group:
+    a loss of the wrong shape, a batch the collate function cannot handle or the
+    weights of another model fail on every rank before any group starts.
+    """
+    parts = parts or ConfiguredParts(cfg)
+    data = parts.data()
+    torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank
+    random.seed(cfg.training.seed)
+    model = parts.model(data.info).to(device)
+    loss, batches = parts.loss(), BatchLoader(data, cfg.data, device=device)
+    precision = Precision(cfg.training.precision, device=device)
+    size = min(4, cfg.training.micro_batch_size or 4)  # no more than a step's forward holds
+    check_first_micro_batch(model, loss, batches, size=size, autocast=precision.autocast)
+    prepare_model(model, cfg)  # init_from, resume_from
+    return Prepared(parts, data, model, loss, batches, precision)

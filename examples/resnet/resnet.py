@@ -38,6 +38,8 @@ SIZE = 32
 def _torchvision(key: str):  # type: ignore[no-untyped-def]
     try:
         import torchvision
+        import torchvision.models
+        import torchvision.transforms.v2  # a submodule: not imported by the package
     except Exception as exc:  # ImportError, or a torchvision built for another torch
         raise ConfigError(
             f"{key} needs torchvision matching this torch ({torch.__version__}): "
