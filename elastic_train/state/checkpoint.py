@@ -68,7 +68,7 @@ from elastic_train.state.checkpoint_files import (
     write_state,
 )
 from elastic_train.state.staging import HostStaging
-from elastic_train.state.state_io import copy_to_host, fsync_dir
+from elastic_train.state.state_io import copy_to_host, fsync_path
 
 __all__ = [
     "CheckpointManager",
@@ -233,10 +233,10 @@ class CheckpointManager:
             temporary.mkdir()
             files = write_state(temporary, state)
             self._write_manifest(temporary, step, files, metadata)
-            fsync_dir(temporary)
+            fsync_path(temporary)
             replaced = move_aside(final)
             os.rename(temporary, final)  # the commit: the directory arrives complete
-            fsync_dir(self.directory)
+            fsync_path(self.directory)
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(temporary, ignore_errors=True)
             put_back(final, replaced)

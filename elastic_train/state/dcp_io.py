@@ -159,14 +159,6 @@ def shared_token(group: dist.ProcessGroup) -> str:
     return f"{int(token.item()):08x}"
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def verify_files(path: Path, body: dict[str, Any], group: dist.ProcessGroup) -> None:
     """Checksums of every file of a checkpoint, each rank of ``group`` a share;
     all ranks agree (one all-reduce), so a damaged file fails the load everywhere."""

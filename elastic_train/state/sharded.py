@@ -72,7 +72,6 @@ from elastic_train.state.dcp_io import (
     FORMAT,
     VerifiedReader,
     fill_tensors,
-    fsync_file,
     key_difference,
     marked_keys,
     read_dcp_manifest,
@@ -80,7 +79,7 @@ from elastic_train.state.dcp_io import (
     split_tensors,
     verify_files,
 )
-from elastic_train.state.state_io import copy_to_host, fsync_dir
+from elastic_train.state.state_io import copy_to_host, fsync_path
 
 log = get_logger(__name__)
 
@@ -232,16 +231,16 @@ class ShardedCheckpointManager:
             if path.name != STATE_FILE:
                 size, crc = checksum_file(path)
                 files[path.name] = {"crc32": crc, "bytes": size}
-                fsync_file(path)
+                fsync_path(path)
         body = {"format": FORMAT, "step": step, "fingerprint": self.fingerprint,
                 "files": files, "metadata": metadata}  # fmt: skip
         write_manifest(temporary, body)
-        fsync_dir(temporary)
+        fsync_path(temporary)
         final = self._step_dir(step)
         replaced = move_aside(final)  # a re-save of this step (after a fallback)
         try:
             os.rename(temporary, final)  # the commit
-            fsync_dir(self.directory)
+            fsync_path(self.directory)
         except OSError:
             put_back(final, replaced)
             raise

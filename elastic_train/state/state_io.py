@@ -163,7 +163,8 @@ def open_owned_file(dir_fd: int, name: str, flags: int, *, where: Path) -> int:
     return fd
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (so that the names in it persist)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

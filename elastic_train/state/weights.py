@@ -35,7 +35,7 @@ import torch
 from elastic_train.errors import CheckpointCorruptError, CheckpointWriteError, ConfigError
 from elastic_train.log import get_logger
 from elastic_train.state.checkpoint_files import MANIFEST, load_state, read_manifest
-from elastic_train.state.state_io import fsync_dir
+from elastic_train.state.state_io import fsync_path
 
 log = get_logger(__name__)
 
@@ -275,7 +275,7 @@ def export_weights(weights: Mapping[str, torch.Tensor], directory: str | Path) -
             ),
             _write_atomically(target / STATE_DICT_FILE, lambda p: torch.save(tensors, p)),
         ]
-        fsync_dir(target)
+        fsync_path(target)
     except OSError as exc:
         raise CheckpointWriteError(
             f"checkpoint.export_dir = {str(directory)!r}: exporting the final weights "
