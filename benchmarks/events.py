@@ -16,19 +16,24 @@ stamped as they reach the log, and the workers' ``resume`` records:
 - ``round_closed``: an agent's "Rendezvous complete";
 - ``workers_spawned``: "Starting worker group";
 - ``restored``: the first ``resume`` record (checkpoint or snapshot loaded).
+
+``stall_seconds`` is what the survivors felt: from the last step record before
+the recovering attempt started to its first step. For a join it leaves out the
+joiner's own start-up, during which the others train on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from benchmarks import harness
 from benchmarks.cluster import BenchCluster
 from benchmarks.harness import Competitor
 from benchmarks.workloads import Workload
-from elastic_train.local.chaos import ChaosKind
+from elastic_train.errors import ClusterError
+from elastic_train.local.chaos import ChaosKind, node_of_rank
 
 #: (breakdown key, regex over the agents' output).
 STAGES = (
@@ -43,7 +48,11 @@ EVENT_METRICS = (
     "lost_steps",
     *(f"{key}_seconds" for key, _ in STAGES),
     "restored_seconds",
+    "stall_seconds",
 )
+#: Which node a kill or term hits: the last one started, the one running global
+#: rank 0, or one running another rank (resolved from the audit when it is due).
+Target = Literal["last", "rank0", "nonzero"]
 
 
 def measure_event(
@@ -56,12 +65,12 @@ def measure_event(
     warmup_steps: int,
     timeout: float,
     workload: Workload | None = None,
+    target: Target = "last",
 ) -> dict[str, Any]:
     """Start ``nodes`` nodes, train ``warmup_steps``, deliver ``kind`` and time the recovery.
 
-    A kill or term hits the last node; a join starts node ``nodes``.
+    A kill or term hits the node ``target`` names; a join starts node ``nodes``.
     """
-    target = nodes if kind == "join" else nodes - 1
     spec = {
         "nodes": nodes,
         "min_nodes": min(nodes, world_after),
@@ -69,14 +78,24 @@ def measure_event(
     }
     with BenchCluster(comp, workload or Workload(), workdir, **spec) as cluster:
         cluster.wait_step(warmup_steps, world_size=nodes, timeout=timeout)
-        moment = cluster.deliver(kind, target)
+        node = nodes if kind == "join" else victim(cluster, target, nodes=nodes)
+        moment = cluster.deliver(kind, node)
         rec = cluster.wait_recovery(
-            kind=kind, node=target, event_time=moment, world_size=world_after, timeout=timeout
+            kind=kind, node=node, event_time=moment, world_size=world_after, timeout=timeout
         )
-        others = [
-            f"node{i}" for i in range(max(nodes, target + 1)) if i != target or kind == "join"
-        ]
-        return {**rec.to_json(), **breakdown(cluster, moment, others)}
+        others = [f"node{i}" for i in range(max(nodes, node + 1)) if i != node or kind == "join"]
+        return {**rec.to_json(), "target": target, **breakdown(cluster, moment, others)}
+
+
+def victim(cluster: BenchCluster, target: Target, *, nodes: int) -> int:
+    """The node index ``target`` names now (ranks from the workers' latest records)."""
+    if target == "last":
+        return nodes - 1
+    rank = 0 if target == "rank0" else nodes - 1
+    node = node_of_rank(cluster.tail.log, rank)
+    if node is None:
+        raise ClusterError(f"no worker has recorded rank {rank} yet")
+    return node
 
 
 def breakdown(cluster: BenchCluster, event_time: float, nodes: list[str]) -> dict[str, Any]:
@@ -87,7 +106,20 @@ def breakdown(cluster: BenchCluster, event_time: float, nodes: list[str]) -> dic
         out[f"{key}_seconds"] = None if stamp is None else stamp - event_time
     resumes = [r.time for r in cluster.tail.log.resumes if r.time >= event_time]
     out["restored_seconds"] = min(resumes) - event_time if resumes else None
+    out["stall_seconds"] = stall(cluster, event_time)
     return out
+
+
+def stall(cluster: BenchCluster, event_time: float) -> float | None:
+    """Last step recorded before the recovering attempt started -> its first step."""
+    log = cluster.tail.log
+    attempt = next(
+        (a for a in log.attempts() if a.start_time > event_time and a.first_step_time), None
+    )
+    if attempt is None or attempt.first_step_time is None:
+        return None
+    before = [r.time for r in log.steps if r.time < attempt.start_time]
+    return attempt.first_step_time - max(before) if before else None
 
 
 def event_main(

@@ -83,11 +83,20 @@ COMPETITORS: dict[str, Competitor] = {
 
 
 def summarize(values: Sequence[float | None]) -> dict[str, Any]:
-    """Median, min, max and count of the measured values (None = not measured)."""
+    """Median, 95th percentile, min, max and count of the measured values (None = not
+    measured). p95 interpolates between the sorted values, so with 5 runs it lies
+    between the two largest."""
     xs = [float(v) for v in values if v is not None]
     if not xs:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+        return {"median": None, "p95": None, "min": None, "max": None, "n": 0}
+    p95 = statistics.quantiles(xs, n=20, method="inclusive")[18] if len(xs) > 1 else xs[0]
+    return {
+        "median": statistics.median(xs),
+        "p95": p95,
+        "min": min(xs),
+        "max": max(xs),
+        "n": len(xs),
+    }
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

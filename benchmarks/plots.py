@@ -446,6 +446,10 @@ def figure(name: str, result: dict[str, Any], title: str | None = None) -> Figur
     """The figure of benchmark ``name``; ``title`` defaults to the name."""
     if name == "rendezvous_scale":
         return rendezvous_scale(result, title or name)
+    if name == "goodput":
+        from benchmarks.plots_goodput import goodput_figure  # it imports this module's styles
+
+        return goodput_figure(result, title or name)
     return _bar_figure(BAR_KIND[name], result, title or name)
 
 

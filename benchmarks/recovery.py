@@ -6,6 +6,12 @@ pruned, round closed, workers spawned, checkpoint restored, first step) are
 measured as ``benchmarks.events`` describes.
 
     python -m benchmarks.recovery --repeats 5
+    python -m benchmarks.recovery --repeats 5 --target rank0     # results/recovery_rank0.json
+    python -m benchmarks.recovery --repeats 5 --target nonzero   # results/recovery_nonzero.json
+
+``--target`` picks the node killed: the last one started (default), the one
+running global rank 0 (the rendezvous and the checkpoint writer of the plain
+script live there), or one running another rank.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.events import EVENT_METRICS, measure_event
+from benchmarks.events import EVENT_METRICS, Target, measure_event
 from benchmarks.harness import Competitor
 
 METRICS = EVENT_METRICS
@@ -29,11 +35,13 @@ def measure(
     nodes: int = 3,
     warmup_steps: int = 60,
     timeout: float = 150.0,
+    target: Target = "last",
 ) -> dict[str, Any]:
     return measure_event(
         comp,
         workdir,
         kind="kill",
+        target=target,
         nodes=nodes,
         world_after=nodes - 1,
         warmup_steps=warmup_steps,
@@ -62,13 +70,16 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
+    parser.add_argument("--target", choices=("last", "rank0", "nonzero"), default="last")
     args = parser.parse_args(argv)
     competitors = harness.select_competitors(args.competitors)
     kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60}
     if args.smoke:
         kwargs = {"nodes": 2, "warmup_steps": 5, "timeout": 60.0}
+    kwargs["target"] = args.target
+    name = "recovery" if args.target == "last" else f"recovery_{args.target}"
     harness.run_benchmark(
-        "recovery_smoke" if args.smoke else "recovery",
+        f"{name}_smoke" if args.smoke else name,
         args,
         competitors,
         measure=lambda c, d: measure(c, d, **kwargs),

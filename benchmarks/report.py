@@ -16,12 +16,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import RESULTS_DIR
+from benchmarks.harness import RESULTS_DIR, summarize
 
 README = Path(__file__).resolve().parent / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 EVENT_BENCHMARKS = ("recovery", "scaleup", "preemption")
-ALL = (*EVENT_BENCHMARKS, "throughput", "checkpoint_cost", "rendezvous_scale")
+ALL = (*EVENT_BENCHMARKS, "throughput", "checkpoint_cost", "rendezvous_scale", "goodput")
+#: Per fault kind, one run of each (``--out-dir`` of the event benchmarks): the
+#: kind's name in the table and the result file.
+FAULT_KINDS_DIR = "goodput_faults"
+FAULT_KINDS = (
+    ("SIGKILL of a node not running rank 0", "recovery_nonzero"),
+    ("SIGKILL of the node running rank 0", "recovery_rank0"),
+    ("SIGTERM preemption of a node", "preemption"),
+    ("a 4th node joins 3 (survivors' stall)", "scaleup"),
+)
+#: the issue's comparison: ours against tuned torchrun c10d
+FAULT_KIND_COMPETITORS = ("ours", "c10d-tuned")
 
 
 def load(directory: Path, *, smoke: bool) -> dict[str, dict[str, Any]]:
@@ -154,6 +165,67 @@ def targets_table(results: dict[str, dict[str, Any]]) -> list[str]:
     return rows
 
 
+def goodput_table(result: dict[str, Any]) -> list[str]:
+    settings = result["settings"]
+    rows = [
+        "| competitor | goodput (quiet segments) | vs separate fault-free runs "
+        "| vs the 3-node run | useful steps/s | fault-free steps/s: quiet / separate "
+        "| kills of a training node | to first step after one, s | after a rejoin, s "
+        "| most lost steps per kill | runs | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, e in result["summary"].items():
+        if "-fault-free" in name:
+            continue
+        rows.append(
+            f"| {name} | {spread(e['goodput'], 3)} | {spread(e['goodput_separate_run'], 3)} "
+            f"| {spread(e['goodput_full_world'], 3)} "
+            f"| {spread(e['useful_steps_per_second'], 0)} "
+            f"| {fmt(e['fault_free_steps_per_second']['median'], 0)} / "
+            f"{fmt(e['separate_run_steps_per_second']['median'], 0)} "
+            f"| {fmt(e['kills']['median'], 0)} | {spread(e['kill_seconds'])} "
+            f"| {spread(e['join_seconds'])} | {fmt(e['kill_max_lost_steps']['max'], 0)} "
+            f"| {e['goodput']['n']} | {status(e)} |"
+        )
+    head = (f"_one event every {settings['every_seconds']:g} s for {settings['minutes']:g} min, "
+            f"fault-free runs of {settings['fault_free_minutes']:g} min; "
+            f"ours' recovery: {settings['recovery_run']}_")  # fmt: skip
+    return [head, "", *rows]
+
+
+def fault_kinds_table(directory: Path) -> list[str]:
+    """p50/p95 of each fault kind's recovery, from the runs (older summaries lack p95),
+    with the machine line of each result: they may come from different runs."""
+    rows = [
+        "| fault | competitor | event -> first step p50 / p95, s | survivors' stall "
+        "p50 / p95, s | lost steps median (max) | runs | taken (UTC), load | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, name in FAULT_KINDS:
+        # A kind not rerun for this table: the benchmark's own latest result.
+        path = next((d / f"{name}.json" for d in (directory, directory.parent)
+                     if (d / f"{name}.json").exists()), None)  # fmt: skip
+        if path is None:
+            continue
+        result = json.loads(path.read_text())
+        when = datetime.datetime.fromtimestamp(result["started"], tz=datetime.timezone.utc)
+        taken = f"{when:%m-%d %H:%M}, {fmt(result['machine']['loadavg_1m_at_start'], 0)}"
+        for comp, outcome in result["runs"].items():
+            if comp not in FAULT_KIND_COMPETITORS:
+                continue
+            runs = [r for r in outcome["runs"] if "error" not in r]
+            secs = summarize([r.get("seconds") for r in runs])
+            stall = summarize([r.get("stall_seconds") for r in runs])
+            lost = summarize([r.get("lost_steps") for r in runs])
+            rows.append(
+                f"| {kind} | {comp} | {fmt(secs['median'])} / {fmt(secs['p95'])} "
+                f"| {fmt(stall['median'])} / {fmt(stall['p95'])} "
+                f"| {fmt(lost['median'], 0)} ({fmt(lost['max'], 0)}) | {secs['n']} "
+                f"| {taken} | {status(result['summary'][comp])} |"
+            )
+    return rows
+
+
 TABLES = {
     "recovery": ("Recovery after SIGKILL of 1 of 3 nodes", event_table),
     "scaleup": ("Scale-up: a 4th node joins 3", event_table),
@@ -161,16 +233,19 @@ TABLES = {
     "throughput": ("Steady-state throughput, 2 nodes", throughput_table),
     "checkpoint_cost": ("Checkpoint cost", checkpoint_table),
     "rendezvous_scale": ("Rendezvous latency and etcd load at scale", scale_table),
+    "goodput": ("Goodput soak: a kill or a rejoin every 30 s, 3 nodes", goodput_table),
 }
 
 
-def markdown(results: dict[str, dict[str, Any]]) -> str:
+def markdown(results: dict[str, dict[str, Any]], kinds: Path | None = None) -> str:
     lines = ["### Targets", "", *targets_table(results), ""]
     for name, result in results.items():
         title, table = TABLES[name]
         lines += [f"### {title}", "", machine_line(result), "", *table(result), ""]
         plot = f"{name}.png"
         lines += [f"![{title}](results/{plot})", ""]
+    if kinds is not None and kinds.is_dir():
+        lines += ["### Recovery per fault kind", "", *fault_kinds_table(kinds), ""]
     return "\n".join(lines)
 
 
@@ -196,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
 
     titles = {name: TABLES[name][0] for name in results}
     plots.draw_all(results, args.results_dir, suffix="_smoke" if args.smoke else "", titles=titles)
-    text = markdown(results)
+    text = markdown(results, None if args.smoke else args.results_dir / FAULT_KINDS_DIR)
     sys.stdout.write(text + "\n")
     if not (args.smoke or args.no_readme):
         update_readme(text)

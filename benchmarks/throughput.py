@@ -15,6 +15,10 @@ adaptive cadence is ours against ``ours-no-snapshot``, pair by pair:
 
 What the disk checkpoints cost (saves every 25 steps against none during the
 window): ``--competitors ours,c10d-tuned,ours-no-checkpoint``.
+
+The node agent writing them instead of a thread of rank 0
+(``checkpoint.writer = "agent"``), against plain DDP and the trainer writer,
+pair by pair: ``--competitors ours-agent-writer,c10d-tuned,ours``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ VARIANTS = {
     "ours-snapshot-every-step": ("--elastic.snapshot_every_steps=1",),
     "ours-no-snapshot": ("--elastic.snapshot=false",),
     "ours-no-checkpoint": ("--checkpoint.interval_steps=0",),
+    # The disk checkpoint written by the node agent from the snapshot (#20 item 4).
+    "ours-agent-writer": ("--checkpoint.writer=agent",),
 }
 TARGET_SNAPSHOT_LOSS = 0.02
 TARGET_RATIO = 0.99
@@ -87,6 +93,13 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
     plain_per_ours = next((p for p in plain if p is not None), None)
     value = harness.ratio(1.0, plain_per_ours)
     found = [harness.Target("ours / plain DDP samples/s", value, TARGET_RATIO, kind="min")]
+    agent_per_ours = harness.median_of(summary, "ours-agent-writer", "paired_ratio")
+    if agent_per_ours and plain_per_ours:
+        # Medians of the pairs with ours (per-pair agent / plain: pair_ratios()).
+        agent = agent_per_ours / plain_per_ours
+        found.append(
+            harness.Target("ours, agent writer / plain DDP", agent, TARGET_RATIO, kind="min")
+        )
     every, never = (
         harness.median_of(summary, n, "samples_per_second")
         for n in ("ours-snapshot-every-step", "ours-no-snapshot")
@@ -101,6 +114,17 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
         loss = 1.0 - 1.0 / never_per_ours
         found.append(harness.Target("default snapshots lose", loss, TARGET_SNAPSHOT_LOSS))
     return found
+
+
+def pair_ratios(result: dict[str, Any], name: str, reference: str) -> list[float]:
+    """``name`` / ``reference`` samples/s of each repetition (they ran back to back)."""
+
+    def by_repeat(who: str) -> dict[int, float]:
+        runs = result["runs"][who]["runs"]
+        return {r["repeat"]: r["samples_per_second"] for r in runs if r.get("samples_per_second")}
+
+    mine, theirs = by_repeat(name), by_repeat(reference)
+    return [mine[r] / theirs[r] for r in sorted(mine) if r in theirs]
 
 
 def select(spec: str) -> list[Competitor]:

@@ -17,7 +17,9 @@ boundary each (``raise X from exc``), so callers never catch third-party types::
     │   └── SnapshotRefusedError            a snapshot directory or file we must not trust
     ├── MetricsPortsTakenError              every port the metrics endpoint may try is in use
     ├── DataLoadingError                    a DataLoader worker failed or died
-    └── ClusterError                        the local cluster runner failed
+    ├── ClusterError                        the local cluster runner failed
+    └── InProcessRecoveryError              survivors could not re-form the group in place
+        └── MemberLostError                 a member died while the group re-formed (retried)
 
 The rendezvous backend raises torch's own ``RendezvousConnectionError`` and
 ``RendezvousStateError``, because torchrun's agent catches those by type.
@@ -101,3 +103,12 @@ class DataLoadingError(ElasticTrainError):
 
 class ClusterError(ElasticTrainError):
     """The local cluster runner could not start or supervise its nodes."""
+
+
+class InProcessRecoveryError(ElasticTrainError):
+    """Survivors could not re-form the process group in place (fenced out, no
+    agreement in time, too many failures); the worker exits to the restart path."""
+
+
+class MemberLostError(InProcessRecoveryError):
+    """A member of the agreed generation died before the group formed: agree again."""

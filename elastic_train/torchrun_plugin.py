@@ -16,6 +16,7 @@ without importing torch's rendezvous modules or ours.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -33,9 +34,12 @@ __all__ = [
     "create_handler",
     "etcd_takeover_entry_point",
     "etcd_v3_handler_entry_point",
+    "inprocess_etcd_env",
 ]
 
 NO_TAKEOVER_ENV = "ELASTIC_TRAIN_NO_ETCD_TAKEOVER"
+#: training/membership.py's ETCD_ENV: how workers reach etcd for in-process recovery.
+INPROCESS_ETCD_ENV = "ELASTIC_TRAIN_INPROCESS_ETCD"
 
 HandlerCreator = Callable[["RendezvousParameters"], "RendezvousHandler"]
 
@@ -66,6 +70,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     settings = AgentSettings.from_params(params)
     handler = backend.create_handler(params, extra_keys=RDZV_CONF_KEYS)
+    os.environ[INPROCESS_ETCD_ENV] = inprocess_etcd_env(params)
     agent = NodeAgent(settings, run_id=params.run_id, argv=sys.argv)
     agent.start(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
     if params.backend == "etcd":
@@ -75,6 +80,27 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"(set {NO_TAKEOVER_ENV}=1 for torch's v2-API backend)",
         )
     return agent.attach(handler)
+
+
+def inprocess_etcd_env(params: RendezvousParameters) -> str:
+    """The workers' way to the rendezvous etcd, for ``elastic.recovery = "inprocess"``
+    (read by ``training/membership.py``'s ``EtcdAccess``): endpoints, TLS file
+    paths, user name, key prefix, the secret FILE path. Never a secret or a
+    password: those stay in ``secret_file``, ``ELASTIC_TRAIN_RDZV_SECRET`` and
+    ``ETCD_PASSWORD``, which the workers inherit.
+    """
+    from elastic_train.agent.node_agent import RDZV_CONF_KEYS
+    from elastic_train.rendezvous.config import parse_config
+
+    config = parse_config(params, extra_keys=RDZV_CONF_KEYS)
+    client = config.client
+    return json.dumps({
+        "endpoints": list(client.endpoints), "prefix": f"{config.key_prefix}/{params.run_id}",
+        "protocol": client.protocol, "cacert": client.cacert, "cert": client.cert,
+        "key": client.key, "username": client.username,
+        "secret_file": params.get("secret_file"), "insecure": config.insecure,
+        "min_nodes": params.min_nodes,
+    })  # fmt: skip
 
 
 def etcd_v3_handler_entry_point() -> HandlerCreator:

@@ -97,3 +97,24 @@ def worker_records(run_dir: Path, kind: str) -> list[dict]:
         for line in path.read_text().splitlines()
         if (record := json.loads(line)).get("kind") == kind
     ]
+
+
+def run_chaos(run_dir: Path, cluster: list[str], *args: str, timeout: float = 240) -> dict:
+    """``elastic-train local`` with the cluster options ``cluster`` (nodes, chaos) and
+    the trainer's ``args``; its summary. ``run_kill_then_join`` with any schedule."""
+    summary_path = run_dir / "out" / "summary.json"
+    command = [
+        sys.executable, "-m", "elastic_train.cli", "local", *cluster,
+        "--json", str(summary_path), "--run-dir", str(run_dir), "--quiet",
+        "--timeout", str(timeout), "--metrics-port", "0", *args,
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout + 60)
+    assert summary_path.is_file(), proc.stderr[-3000:]
+    return json.loads(summary_path.read_text())
+
+
+def assert_ran_exactly_once(summary: dict, *, steps: int) -> None:
+    """Every step ran and every sample once, whatever the schedule did to the world."""
+    assert summary["completed"], summary
+    assert summary["final_step"] == steps
+    assert summary["exactly_once"], summary["exactly_once_detail"]

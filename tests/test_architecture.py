@@ -27,10 +27,10 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors"},
     "etcd": BASE,
     "rendezvous": BASE | {"etcd"},
-    "agent": BASE,
+    "agent": BASE | {"state"},  # the persister writes checkpoints from snapshots
     "workload": BASE | {"config"},
     "state": BASE | {"config"},
-    "training": BASE | {"audit", "config", "workload", "state"},
+    "training": BASE | {"audit", "config", "workload", "state", "etcd"},
     "local": BASE | {"audit", "config", "etcd", "agent", "training"},
     "main": BASE | {"config", "agent", "training"},
     "api": BASE | {"config", "main", "training", "workload"},

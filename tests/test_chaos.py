@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from audit_sim import SimRun
 
@@ -11,8 +15,11 @@ from elastic_train.audit import AuditLog
 from elastic_train.errors import ConfigError
 from elastic_train.local.chaos import (
     ChaosEvent,
+    freeze_if_saving,
+    kill_workers_together,
     node_count,
     node_of_rank,
+    open_partial_save,
     parse_schedule,
     recovery_after,
     validate_schedule,
@@ -72,9 +79,16 @@ def test_a_rank_target_names_whichever_node_runs_that_rank(tmp_path: Path) -> No
         '{"kind": "resume", "attempt": "b", "restored_step": 2, "source": "disk", '
         '"world_size": 2, "rank": 0, "node": "node2", "time": 5000.0}\n'
     )
-    # The latest record of rank 0 wins: rank 0 moved to node2 in the new round.
+    # Rank 0 moved to node2 in the new round; nobody recorded rank 1 in it yet
+    # (its old holder may be gone): None, and the runner asks again next tick.
     assert node_of_rank(AuditLog.load(tmp_path), 0) == 2
-    assert node_of_rank(AuditLog.load(tmp_path), 1) == 1
+    assert node_of_rank(AuditLog.load(tmp_path), 1) is None
+    with (tmp_path / "worker-node0-98.jsonl").open("a") as records:
+        records.write(
+            '{"kind": "resume", "attempt": "b", "restored_step": 2, "source": "disk", '
+            '"world_size": 2, "rank": 1, "node": "node0", "time": 5000.5}\n'
+        )
+    assert node_of_rank(AuditLog.load(tmp_path), 1) == 0
 
 
 def test_empty_events_and_step_zero_are_refused() -> None:
@@ -118,3 +132,100 @@ def test_recovery_from_a_kill_and_a_join(tmp_path: Path) -> None:
     late = recovery_after(audit, kind="kill", node=0, event_time=sim.time + 10)
     assert late.seconds is None and late.world_size_after is None and late.lost_steps is None
     assert kill.to_json()["world_size_after"] == 2
+
+
+# -- save triggers and kills that land together ---------------------------------------
+
+
+def test_a_save_trigger_waits_for_its_step_and_prints_back() -> None:
+    anytime, later = parse_schedule("kill:rank0@save,kill:1@step20+save")
+    assert anytime == ChaosEvent("kill", None, rank=0, on_save=True)
+    assert later == ChaosEvent("kill", 1, at_step=20, on_save=True)
+    assert [str(anytime), str(later)] == ["kill:rank0@save", "kill:1@step20+save"]
+    assert anytime.is_due(elapsed=0, step=0)  # armed from the start
+    assert not later.is_due(elapsed=1e6, step=19) and later.is_due(elapsed=0, step=20)
+
+
+@pytest.mark.parametrize(
+    ("token", "problem"),
+    [
+        ("join:1@save", "only a kill can wait for a save"),
+        ("stop:1@step3+save", "only a kill can wait for a save"),
+        ("kill:1@save+step3", "bad time 'save+step3'"),
+        ("kill:1@5s+save", "bad time '5s+save'"),
+    ],
+)
+def test_bad_save_triggers_are_named_with_the_accepted_forms(token: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_schedule(token)
+    message = str(info.value)
+    assert repr(token) in message and problem in message
+    assert "stepN+save" in message and "kill:rank0@step20+save" in message
+
+
+_HOLD = "import sys, time; f = open(sys.argv[1], 'w'); f.write('x'); f.flush(); time.sleep(60)"
+
+
+def _holding(path: Path) -> subprocess.Popen[bytes]:
+    """A real process that keeps ``path`` open (as a checkpoint writer keeps state.pt)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)])
+    deadline = time.monotonic() + 30
+    while not any(f.path == str(path) for f in psutil.Process(proc.pid).open_files()):
+        assert time.monotonic() < deadline, "the holder never opened its file"
+        time.sleep(0.02)
+    return proc
+
+
+def _wait_status(proc: subprocess.Popen[bytes], *, stopped: bool) -> None:
+    """Signals arrive asynchronously: poll the state, with a deadline."""
+    deadline = time.monotonic() + 10
+    while (psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED) != stopped:
+        assert time.monotonic() < deadline, (
+            f"pid {proc.pid} not {'stopped' if stopped else 'running'}"
+        )
+        time.sleep(0.01)
+
+
+def test_a_node_is_frozen_only_while_it_writes_a_partial_save(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / ".tmp-step-000000004-deadbeef").mkdir(parents=True)  # stale: nobody writes it
+    done = _holding(ckpt / "step-000000002" / "state.pt")
+    writer = _holding(ckpt / ".tmp-step-000000006-0badcafe" / "state.pt")
+    try:
+        assert open_partial_save([psutil.Process(done.pid)], ckpt) is None
+        assert freeze_if_saving(done.pid, ckpt) is None
+        _wait_status(done, stopped=False)  # thawed again
+        partial = freeze_if_saving(writer.pid, ckpt)
+        assert partial == ".tmp-step-000000006-0badcafe/state.pt"
+        _wait_status(writer, stopped=True)
+    finally:
+        for proc in (done, writer):
+            proc.kill()
+            proc.wait()
+
+
+def test_kills_due_together_land_within_milliseconds(tmp_path: Path) -> None:
+    """Each "agent" (a shell) has a worker child; the workers die, the agents stay frozen."""
+    agents = {
+        node: subprocess.Popen(
+            ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(60)'; true"]
+        )
+        for node in (1, 2)
+    }
+    try:
+        deadline = time.monotonic() + 30
+        while not all(psutil.Process(a.pid).children() for a in agents.values()):
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.02)
+        workers = [psutil.Process(a.pid).children()[0] for a in agents.values()]
+        times = kill_workers_together({node: a.pid for node, a in agents.items()})
+        assert set(times) == {1, 2} and abs(times[1] - times[2]) < 0.1
+        psutil.wait_procs(workers, timeout=10)
+        assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+        for agent in agents.values():
+            _wait_status(agent, stopped=True)
+    finally:
+        for agent in agents.values():
+            agent.kill()
+            agent.wait()

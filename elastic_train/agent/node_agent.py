@@ -8,7 +8,10 @@ then owns:
 - the node's metrics endpoint (:mod:`elastic_train.agent.metrics_endpoint`);
 - the timing of every rendezvous round, and of every restart after the first;
 - the node's zygote (:mod:`elastic_train.agent.zygote`), which forks warm
-  workers, replaced if it dies.
+  workers, replaced if it dies;
+- the node's checkpoint persister (:mod:`elastic_train.agent.persister`),
+  which writes ``checkpoint.writer = "agent"`` checkpoints from the node's
+  snapshot, off the training processes.
 
 Settings, each an ``--rdzv-conf`` key, else an environment variable, else the
 default (the key wins, so a command line says what it does):
@@ -64,10 +67,12 @@ from elastic_train.agent.metrics_endpoint import (
     MetricsEndpointConfig,
     agent_setting,
 )
+from elastic_train.agent.persister import Persister
 from elastic_train.agent.worker_entry import WorkerEntry
 from elastic_train.agent.zygote import ZygoteProcess
 from elastic_train.errors import ConfigError, MetricsPortsTakenError
 from elastic_train.log import bind_context, get_logger
+from elastic_train.state.persist import SOCKET_ENV as PERSIST_SOCKET_ENV
 
 __all__ = ["RDZV_CONF_KEYS", "AgentSettings", "NodeAgent", "NodeAgentHandler"]
 
@@ -128,6 +133,7 @@ class NodeAgent:
         self._entry = settings.zygote_entry(argv)
         self.endpoint: MetricsEndpoint | None = None
         self.zygote: ZygoteProcess | None = None
+        self.persister: Persister | None = None
         self._rounds = 0
 
     def start(self, *, min_nodes: int, max_nodes: int) -> None:
@@ -137,6 +143,7 @@ class NodeAgent:
         # torchrun copies this into every worker: they die with this process (docs/warm-start.md).
         os.environ[warm_start.AGENT_PID_ENV] = str(os.getpid())
         self.endpoint = self._start_endpoint()
+        self._start_persister()
         self._start_zygote()
         metrics.MIN_NODES.labels(node).set(min_nodes)
         metrics.MAX_NODES.labels(node).set(max_nodes)
@@ -166,6 +173,17 @@ class NodeAgent:
         except MetricsPortsTakenError as exc:
             log.warning("metrics_endpoint_disabled", reason=str(exc))
             return None
+
+    def _start_persister(self) -> None:
+        """The writer of ``checkpoint.writer = "agent"`` checkpoints; before the zygote,
+        whose workers inherit this environment."""
+        try:
+            self.persister = Persister().start()
+        except OSError as exc:  # the workers then write their checkpoints themselves
+            log.warning("checkpoint_persister_unavailable", reason=str(exc))
+            return
+        atexit.register(self.persister.close)
+        os.environ[PERSIST_SOCKET_ENV] = str(self.persister.socket_path)
 
     def attach(self, handler: RendezvousHandler) -> NodeAgentHandler:
         """``handler`` with this agent around its rounds."""

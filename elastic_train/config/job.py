@@ -211,6 +211,10 @@ class CheckpointConfig:
     async_save: bool = True
     #: Exit (code errors.EXIT_CHECKPOINT_FAILURES) after this many failed saves in a row.
     max_consecutive_failures: int = 3
+    #: Who writes the disk checkpoint: "trainer" (a thread of rank 0) or "agent" (the
+    #: node agent persists rank 0's /dev/shm snapshot, off the training process; without
+    #: a node agent or snapshots it falls back to "trainer", logged once).
+    writer: Literal["trainer", "agent"] = "trainer"
     #: Start from these weights only (no optimizer, no step): one of our checkpoint
     #: (step) directories, a .safetensors or state_dict file, or a Hugging Face model
     #: directory. Used when the run has no state of its own yet.
@@ -273,6 +277,17 @@ class ElasticConfig:
     snapshot_on_failure: bool = True
     #: Most MiB the two snapshot slots of a node may take; 0: the free space of /dev/shm.
     snapshot_max_mib: float = 0.0
+    #: After a peer's failure: "restart" (every worker exits, torchrun's agent
+    #: restarts the group) or "inprocess" (survivors re-form the group through
+    #: etcd without a restart; needs the etcd rendezvous, docs/recovery-inprocess.md).
+    recovery: Literal["restart", "inprocess"] = "restart"
+    #: In-process recovery: re-forms tried per failure (a peer failing during one
+    #: adds one), and failures in a row without a completed step, before the worker
+    #: exits to the restart path.
+    inprocess_max_reforms: int = 3
+    #: In-process recovery: seconds a liveness probe waits for a peer's answer. A dead
+    #: peer refuses at once; this is how long a live but starved one may take.
+    inprocess_probe_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         _positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")
@@ -284,6 +299,8 @@ class ElasticConfig:
         _check(self, "snapshot_max_overhead", 0 < self.snapshot_max_overhead <= 1,
                "must be in (0, 1]")  # fmt: skip
         _check(self, "snapshot_max_mib", self.snapshot_max_mib >= 0, "must be >= 0 (0: no limit)")
+        _check(self, "inprocess_max_reforms", self.inprocess_max_reforms >= 1, "must be >= 1")
+        _positive(self, "inprocess_probe_seconds")
         _check(self, "watchdog_timeout_seconds", self.watchdog_timeout_seconds >= 0,
                "must be >= 0 (0: adaptive)")  # fmt: skip
         parse_signal(self.preemption_signal)
@@ -347,6 +364,12 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        inprocess_ok = (self.training.parallel, self.training.batch_mode) == ("ddp", "global")
+        if self.elastic.recovery == "inprocess" and not inprocess_ok:
+            raise ConfigError(
+                "elastic.recovery = 'inprocess' needs training.parallel = 'ddp' and "
+                "training.batch_mode = 'global' (a step that does not depend on the world size)"
+            )
         if self.training.parallel != "fsdp2":
             return
         # Evaluation splits samples unevenly over ranks, and a sharded forward is a

@@ -234,6 +234,39 @@ class EtcdClient:
         kvs = resp.responses[0].response_range.kvs
         return False, (_kv(kvs[0]) if kvs else None), resp.header.revision
 
+    def put_and_delete_if_revisions(
+        self,
+        *,
+        expected: list[tuple[bytes, int]],
+        put: tuple[bytes, bytes, int],
+        deletes: list[bytes],
+    ) -> tuple[bool, int]:
+        """One transaction: if every ``(key, mod_revision)`` of ``expected`` still holds, put
+        ``put = (key, value, lease)`` and delete ``deletes``. Returns ``(written, revision)``.
+
+        etcd refuses more than ``--max-txn-ops`` (128 by default) compares or operations.
+        """
+        compares = [
+            etcdrpc.Compare(
+                key=key, target=etcdrpc.Compare.MOD, result=etcdrpc.Compare.EQUAL, mod_revision=rev
+            )
+            for key, rev in expected
+        ]
+        key, value, lease = put
+        ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value, lease=lease))]
+        ops += [
+            etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=k))
+            for k in deletes
+        ]
+        request = etcdrpc.TxnRequest(compare=compares, success=ops)
+        resp = self._call(lambda m, kw: m.kv.Txn(request, **kw), op="txn")
+        return bool(resp.succeeded), resp.header.revision
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """End a lease now: etcd deletes every key attached to it."""
+        request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+        self._call(lambda m, kw: m.lease.LeaseRevoke(request, **kw), op="lease_revoke")
+
     def delete(self, key: bytes) -> bool:
         request = etcdrpc.DeleteRangeRequest(key=key)
         return self._call(lambda m, kw: m.kv.DeleteRange(request, **kw), op="delete").deleted > 0

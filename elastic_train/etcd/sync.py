@@ -125,6 +125,20 @@ class WatchedKey:
         self._offer(value, revision, fresh=False)
         return value
 
+    def read_with_revision(self) -> tuple[KeyValue | None, int]:
+        """:meth:`read`, and the revision the copy is current at (for an absent key too)."""
+        with self._lock:
+            if time.monotonic() < self._fresh_until:
+                return self._value, self._revision
+        value, revision = self._client.get(self._key)
+        self._offer(value, revision, fresh=False)
+        return value, revision
+
+    def peek(self) -> tuple[KeyValue | None, bool]:
+        """The local copy, and whether the watch vouches for it now (no request either way)."""
+        with self._lock:
+            return self._value, time.monotonic() < self._fresh_until
+
     def wait_newer(self, revision: int, timeout: float) -> bool:
         """Block until the copy is newer than ``revision`` (True) or ``timeout`` passed.
 

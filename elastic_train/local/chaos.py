@@ -7,17 +7,40 @@ A schedule is a comma-separated list of ``KIND:NODE@WHEN`` events::
 ``WHEN`` is either seconds since the nodes were started (``20s``) or the first
 moment the training reached a completed step (``step30``). Step triggers make
 tests independent of how fast a shared 2-core machine happens to be.
+
+``save`` (or ``step30+save``: not before step 30), for kills only, fires while
+the target node is writing a disk checkpoint: the runner freezes the node and
+kills it only if one of its processes holds a file of an unfinished save open
+(:func:`freeze_if_saving`); otherwise it thaws the node and tries again on the
+next tick. So ``kill:rank0@save`` lands inside the checkpoint writer's save,
+never just before or after it.
+
+When several events are due at the same tick, every kill among them strikes
+first (:func:`kill_workers_together`): the targets are frozen, then the trainers
+of all of them are SIGKILLed within milliseconds; then the events are carried
+out in schedule order. So ``kill:rank1@step30,kill:rank2@step30`` are two kills
+milliseconds apart, and ``join:4@step8,kill:rank0@step8`` starts node 4 while
+the survivors of the kill have just begun to recover. Kills due together also
+wait for each other: while one's rank target is not in the newest attempt yet
+(say rank 2 of a world that is still 2), none of them strikes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterable
+import signal
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+
+import psutil
 
 from elastic_train.audit import AuditLog
 from elastic_train.errors import ConfigError
+from elastic_train.local import proctree
 
 ChaosKind = Literal["kill", "join", "term", "stop"]
 KINDS: tuple[ChaosKind, ...] = ("kill", "join", "term", "stop")
@@ -25,11 +48,18 @@ KINDS: tuple[ChaosKind, ...] = ("kill", "join", "term", "stop")
 _FORMS = (
     "accepted forms: KIND:NODE@SECONDSs (e.g. kill:1@20s) or KIND:NODE@stepN "
     f"(e.g. join:1@step30), KIND one of {', '.join(KINDS)}, NODE a node index >= 0 "
-    "or rankN, the node that runs global rank N (e.g. kill:rank0@step10; not for join)"
+    "or rankN, the node that runs global rank N (e.g. kill:rank0@step10; not for join), "
+    "WHEN may also be save or stepN+save: while the node writes a checkpoint, not before "
+    "step N (kill only, e.g. kill:rank0@step20+save)"
 )
 _EVENT = re.compile(r"^(?P<kind>[a-z]+):(?P<target>\d+|rank\d+)@(?P<when>.+)$")
 _SECONDS = re.compile(r"^(?P<value>\d+(?:\.\d+)?)s$")
 _STEP = re.compile(r"^step(?P<value>\d+)$")
+_SAVE = re.compile(r"^(?:step(?P<value>\d+)\+)?save$")
+#: the directories of an unfinished checkpoint save (state/checkpoint.py)
+PARTIAL_SAVE_GLOB = ".tmp-step-*"
+#: seconds a supervision tick watches for a save while a save trigger is armed
+SAVE_WATCH_S = 0.3
 
 
 @dataclass(frozen=True)
@@ -38,7 +68,7 @@ class ChaosEvent:
 
     Exactly one of ``at_seconds``/``at_step`` is set, and exactly one of
     ``node``/``rank``: a rank target is resolved when the event is due, to the
-    node whose worker last recorded that global rank.
+    node whose worker holds that global rank in the newest attempt.
     """
 
     kind: ChaosKind
@@ -46,6 +76,8 @@ class ChaosEvent:
     at_seconds: float | None = None
     at_step: int | None = None
     rank: int | None = None
+    #: due only while the target writes a checkpoint (``at_step``: not before that step)
+    on_save: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -57,7 +89,9 @@ class ChaosEvent:
         target = self.node if self.node is not None else self.rank
         if target is not None and target < 0:
             raise ConfigError(f"chaos node/rank of {self} must be >= 0")
-        if (self.at_seconds is None) == (self.at_step is None):
+        if self.on_save and (self.kind != "kill" or self.at_seconds is not None):
+            raise ConfigError("a save trigger is for kills, optionally after a step")
+        if not self.on_save and (self.at_seconds is None) == (self.at_step is None):
             raise ConfigError("a chaos event needs exactly one of at_seconds or at_step")
         if self.at_seconds is not None and self.at_seconds < 0:
             raise ConfigError(f"chaos at_seconds {self.at_seconds} must be >= 0")
@@ -66,14 +100,16 @@ class ChaosEvent:
 
     def __str__(self) -> str:
         when = f"{self.at_seconds:g}s" if self.at_seconds is not None else f"step{self.at_step}"
+        if self.on_save:
+            when = "save" if self.at_step is None else f"step{self.at_step}+save"
         target = self.node if self.node is not None else f"rank{self.rank}"
         return f"{self.kind}:{target}@{when}"
 
     def is_due(self, *, elapsed: float, step: int) -> bool:
+        """Due by time or step; a save trigger is then armed, see :func:`open_partial_save`."""
         if self.at_seconds is not None:
             return elapsed >= self.at_seconds
-        assert self.at_step is not None
-        return step >= self.at_step
+        return self.at_step is None or step >= self.at_step
 
 
 def parse_event(token: str) -> ChaosEvent:
@@ -84,18 +120,23 @@ def parse_event(token: str) -> ChaosEvent:
     kind, when = match["kind"], match["when"]
     if kind not in KINDS:
         raise ConfigError(f"chaos event {token!r} has unknown kind {kind!r}; {_FORMS}")
-    seconds, step = _SECONDS.match(when), _STEP.match(when)
-    if seconds is None and step is None:
+    seconds, step, save = _SECONDS.match(when), _STEP.match(when), _SAVE.match(when)
+    if seconds is None and step is None and save is None:
         raise ConfigError(f"chaos event {token!r} has a bad time {when!r}; {_FORMS}")
     target = match["target"]
     if kind == "join" and target.startswith("rank"):
         raise ConfigError(f"chaos event {token!r}: a join needs a node index; {_FORMS}")
+    if kind != "kill" and save is not None:
+        raise ConfigError(f"chaos event {token!r}: only a kill can wait for a save; {_FORMS}")
+    if save is not None:
+        step = save if save["value"] is not None else None
     return ChaosEvent(
         kind=kind,  # type: ignore[arg-type]  # checked against KINDS above
         node=None if target.startswith("rank") else int(target),
         rank=int(target.removeprefix("rank")) if target.startswith("rank") else None,
         at_seconds=float(seconds["value"]) if seconds else None,
         at_step=int(step["value"]) if step else None,
+        on_save=save is not None,
     )
 
 
@@ -166,11 +207,20 @@ class Recovery:
 
 
 def node_of_rank(log: AuditLog, rank: int) -> int | None:
-    """The index of the node whose worker last recorded global ``rank`` (None: none yet)."""
-    records = [r for r in (*log.resumes, *log.steps) if r.rank == rank]
+    """The index of the node that runs global ``rank`` in the newest attempt (the
+    attempt of the latest record); None while no worker of it recorded that rank.
+
+    Not simply the latest record of ``rank``: after a resize a node's old rank
+    may be newer than the first record of the node that holds it now.
+    """
+    records = [*log.resumes, *log.steps]
     if not records:
         return None
-    name = max(records, key=lambda r: r.time).node
+    newest = max(records, key=lambda r: r.time).attempt
+    holders = [r for r in records if r.attempt == newest and r.rank == rank]
+    if not holders:
+        return None
+    name = max(holders, key=lambda r: r.time).node
     index = name.removeprefix("node")
     return int(index) if index.isdigit() else None
 
@@ -198,3 +248,66 @@ def recovery_after(log: AuditLog, *, kind: ChaosKind, node: int, event_time: flo
         restored_step=attempt.restored_step,
         restore_source=attempt.restore_source,
     )
+
+
+def freeze_if_saving(agent_pid: int, checkpoint_dir: Path, *, watch_s: float = 0.0) -> str | None:
+    """Freeze a node whose processes write a checkpoint now; the partial file they write.
+
+    Watches up to ``watch_s`` for a save to begin (a tick of a fixed period could
+    keep missing saves of a period that divides it). Returns None, with the node
+    thawed again, when none of its processes holds a file of an unfinished save
+    open. A process a ``stop`` event froze stays frozen.
+    """
+    deadline = time.monotonic() + watch_s
+    while not any(checkpoint_dir.glob(PARTIAL_SAVE_GLOB)):
+        if time.monotonic() >= deadline:
+            return None  # the usual case, without touching the node
+        time.sleep(0.01)
+    try:
+        root = psutil.Process(agent_pid)
+        already = {p.pid for p in [root, *proctree.descendants(root)] if _is_stopped(p)}
+    except psutil.Error:
+        return None
+    frozen = proctree.freeze_tree(root)
+    partial = open_partial_save(frozen, checkpoint_dir)
+    if partial is None:
+        proctree.signal_all([p for p in frozen if p.pid not in already], signal.SIGCONT)
+    return partial
+
+
+def open_partial_save(procs: Iterable[psutil.Process], checkpoint_dir: Path) -> str | None:
+    """A file inside an unfinished save's directory that one of ``procs`` holds open,
+    relative to ``checkpoint_dir``."""
+    root = checkpoint_dir.resolve()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            for opened in proc.open_files():
+                path = Path(opened.path)
+                if path.parent.parent == root and path.parent.match(PARTIAL_SAVE_GLOB):
+                    return str(path.relative_to(root))
+    return None
+
+
+def kill_workers_together(agent_pids: Mapping[int, int]) -> dict[int, float]:
+    """SIGKILL every process below several nodes' agents, within milliseconds.
+
+    Every tree is frozen first, so no node notices another's loss before its own
+    kill. The agents themselves stay frozen, for the runner's usual kill of each
+    node (which also reaps, and that takes long). Returns each node's wall time
+    of its SIGKILLs.
+    """
+    frozen: dict[int, list[psutil.Process]] = {}
+    for node, pid in agent_pids.items():
+        with contextlib.suppress(psutil.Error):
+            frozen[node] = proctree.freeze_tree(psutil.Process(pid))
+    times = {}
+    for node, procs in frozen.items():
+        times[node] = time.time()
+        proctree.signal_all([p for p in procs if p.pid != agent_pids[node]], signal.SIGKILL)
+    return times
+
+
+def _is_stopped(proc: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return proc.status() == psutil.STATUS_STOPPED
+    return False

@@ -38,8 +38,11 @@ from elastic_train.config.args import parse_cli
 from elastic_train.config.load import to_toml
 from elastic_train.etcd.server import find_etcd_binary
 from elastic_train.local.chaos import (
+    SAVE_WATCH_S,
     ChaosEvent,
     Recovery,
+    freeze_if_saving,
+    kill_workers_together,
     node_of_rank,
     recovery_after,
 )
@@ -69,6 +72,8 @@ class Delivery:
     time: float
     elapsed: float
     outcome: str
+    #: what the runner saw as it struck, e.g. the partial save a ``@save`` kill interrupted
+    detail: str = ""
 
     @property
     def delivered(self) -> bool:
@@ -81,6 +86,7 @@ class Delivery:
             "time": self.time,
             "elapsed": self.elapsed,
             "outcome": self.outcome,
+            "detail": self.detail,
         }
 
 
@@ -264,19 +270,52 @@ class _Supervisor:
         if self._finished_at is not None:
             return  # the job is done: faults and joins could only disturb the shutdown
         elapsed = self.elapsed
+        due: list[tuple[ChaosEvent, int, str]] = []
+        unresolved_kill = False
         for event in [e for e in self.pending if e.is_due(elapsed=elapsed, step=self.board.step)]:
             node = event.node
             if node is None:
                 node = node_of_rank(self.tail.log, event.rank)  # type: ignore[arg-type]
-                if node is None:
-                    continue  # no worker has recorded that rank yet
-            now = time.time()
+                if node is None:  # no worker has recorded that rank yet
+                    unresolved_kill |= event.kind == "kill"
+                    continue
+            partial = self._mid_save(node) if event.on_save else ""
+            if event.on_save and not partial:
+                continue  # not saving now: the next tick looks again
+            due.append((event, node, partial))
+        if unresolved_kill:  # kills due together wait for each other's targets
+            due = [d for d in due if d[0].kind != "kill" or d[0].on_save]
+        # Several events at once: every kill strikes first, within milliseconds, so a
+        # second kill or a join lands while the first one's recovery has only begun.
+        strike = {n for e, n, _ in due if e.kind == "kill"} if len(due) > 1 else set()
+        killed = self._kill_together(strike)
+        for event, node, partial in due:
+            now = killed.get(node, time.time())
             outcome = self.cluster.deliver(replace(event, node=node, rank=None))
             if outcome is None:
                 continue
             self.pending.remove(event)
-            self.deliveries.append(Delivery(event, node, now, elapsed, outcome))
-            log.info("chaos_event", chaos=str(event), outcome=outcome, elapsed=round(elapsed, 2))
+            detail = f"partial save {partial}" if partial else ""
+            self.deliveries.append(Delivery(event, node, now, elapsed, outcome, detail))
+            log.info("chaos_event", chaos=str(event), outcome=outcome, elapsed=round(elapsed, 2),
+                     detail=detail)  # fmt: skip
+
+    def _agent_pid(self, node: int) -> int | None:
+        running = self.cluster.nodes.get(node)
+        return running.proc.pid if running is not None and running.alive else None
+
+    def _mid_save(self, node: int) -> str:
+        """The partial save file the frozen ``node`` writes ("": none, node thawed)."""
+        pid = self._agent_pid(node)
+        partial = None
+        if pid is not None:
+            partial = freeze_if_saving(pid, self.cluster.checkpoint_dir, watch_s=SAVE_WATCH_S)
+        return partial or ""
+
+    def _kill_together(self, nodes: set[int]) -> dict[int, float]:
+        """SIGKILL the trainers of ``nodes`` now; their agents stay frozen (chaos.py)."""
+        pids = {node: self._agent_pid(node) for node in nodes}
+        return kill_workers_together({node: pid for node, pid in pids.items() if pid is not None})
 
     def draw(self, *, final: bool = False) -> None:
         if self.progress is None:

@@ -15,6 +15,7 @@ or ``ELASTIC_TRAIN_RDZV_SECRET``) and checked before its bytes go anywhere
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -36,11 +37,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
 )
 
-from elastic_train.errors import EtcdUnavailableError
+from elastic_train.errors import EtcdError, EtcdUnavailableError
 from elastic_train.etcd.client import EtcdClient
 from elastic_train.etcd.store import EtcdV3Store
 from elastic_train.log import configure_logging_if_unconfigured, get_logger, register_secret
 from elastic_train.rendezvous.config import RendezvousConfig, parse_config, value_codec
+from elastic_train.rendezvous.joins import BatchFold, JoinFolder, JoinKeys, JoinRequester
 from elastic_train.rendezvous.keys import EtcdV3RendezvousBackend
 from elastic_train.rendezvous.liveness import node_name
 from elastic_train.rendezvous.rules import (
@@ -85,6 +87,9 @@ def _create_backend(
         name=params.backend,
         key=f"{run_prefix}/state",
         heartbeats=f"{run_prefix}/heartbeats/",
+        joins=f"{run_prefix}/joins/",
+        leader=f"{run_prefix}/leader",
+        beats_digest=f"{run_prefix}/heartbeat_digest",
         ttl=config.ttl,
         codec=codec,
     )
@@ -113,11 +118,32 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         store: Store,
         *,
         backend: EtcdV3RendezvousBackend,
+        batched_joins: bool = True,
     ) -> None:
         state_holder = WatchedStateHolder(backend, settings, heartbeats=backend)
         super().__init__(node, settings, backend.name, store, state_holder)
-        self._op_executor = FastOpExecutor(node, state_holder, settings, changes=backend)
+        # A silent folder loses the leader key after the time a silent node is pruned in.
+        expiry = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+        keys = backend.join_keys(lease_ttl=max(2, math.ceil(expiry))) if batched_joins else None
+        self._requester = None if keys is None else JoinRequester(keys, node, store=backend)
+        self._folder: JoinFolder | None = None
+        executor = FastOpExecutor(
+            node,
+            state_holder,
+            settings,
+            changes=backend,
+            joins=self._requester,
+            offer_to_lead=self._offer_to_lead,
+        )
+        self._op_executor = executor
+        self._fold: tuple[JoinKeys, BatchFold] | None = None
+        if keys is not None:
+            fold = BatchFold(
+                keys, backend, settings, prune=state_holder.prune, apply=executor.apply_for
+            )
+            self._fold = (keys, fold)
         self._etcd_backend = backend
+        self._watched_holder = state_holder
         self._joined_round: int | None = None
         self._reported_end: int | None = None
 
@@ -139,6 +165,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         deadline = time.monotonic() + join_s
         while True:
             try:
+                self._start_folding()
                 info = super().next_rendezvous()
                 self._joined_round = self._state_holder.state.round
                 return info
@@ -152,6 +179,40 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                     ) from exc
                 log.warning("rendezvous_etcd_retry", run_id=self.settings.run_id, error=str(exc))
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            finally:
+                self._stop_folding()
+
+    def _start_folding(self) -> None:
+        """Join through a request key, and fold the others' while elected (batched joins)."""
+        if self._fold is not None:
+            keys, fold = self._fold
+            self._folder = JoinFolder(
+                keys,
+                self._this_node,
+                fold_batch=fold,
+                wake_every=self._settings.keep_alive_interval.total_seconds() / 2,
+                wake_in=lambda: fold.wake_in,
+                publish_beats=lambda lease: self._etcd_backend.publish_beats(lease=lease),
+            )
+
+    def _offer_to_lead(self) -> None:
+        folder = self._folder
+        if folder is None:
+            return
+        try:
+            folder.offer_to_lead()
+        except EtcdError as exc:  # best effort: the next offer, or another agent, leads
+            log.warning("rendezvous_join_folder_error", error=str(exc))
+
+    def _stop_folding(self) -> None:
+        folder, self._folder = self._folder, None
+        if folder is not None:
+            folder.stop()
+        if self._requester is not None:
+            try:
+                self._requester.withdraw()
+            except RendezvousError as exc:  # the fold drops it as stale rounds later
+                log.warning("rendezvous_join_request_left", error=str(exc))
 
     def _keep_alive(self) -> None:
         """torch's heartbeat timer calls this every ``keep_alive_interval``; rule 2 decides."""
@@ -187,7 +248,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Nodes waiting to join; at least 1 once this node's round has ended elsewhere."""
         try:
             with self._heartbeat_lock:
-                self._state_holder.sync()
+                # torchrun asks every 0.1 s; re-reading an unchanged state (an unpickle
+                # and a liveness pass over K nodes) would cost K agents K x 10 a second.
+                # The heartbeat timer still syncs every keep_alive_interval to prune.
+                if not self._etcd_backend.unchanged_since(self._watched_holder.token):
+                    self._state_holder.sync()
         except RendezvousConnectionError as exc:
             log.warning("rendezvous_etcd_unreachable", run_id=self.settings.run_id, error=str(exc))
             return 0

@@ -25,6 +25,7 @@ A node this agent has never seen gets a full expiry from when it first sees it.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Protocol
 
@@ -65,11 +66,14 @@ class Liveness:
         self._in_state: dict[_NodeDesc, tuple[object, float]] = {}  # value seen, first seen
         self._in_keys: dict[str, float] = {}
         self._keys_read_at = -math.inf
+        # The join folder prunes the states it folds from its own thread.
+        self._lock = threading.Lock()
 
     def beat(self, node: _NodeDesc) -> None:
         """This agent's own heartbeat (rule 3): a sign of life it need not read back."""
         self._keys.beat(node_name(node))
-        self._in_keys[node_name(node)] = time.monotonic()
+        with self._lock:
+            self._in_keys[node_name(node)] = time.monotonic()
 
     def dead(self, state: _RendezvousState, *, idle: bool) -> list[_NodeDesc]:
         """The nodes of ``state.last_heartbeats`` with no sign of life for ``expiry`` seconds.
@@ -78,6 +82,10 @@ class Liveness:
         expiring on what is known, and at most twice per interval: while training
         runs (an idle round) nobody reads them.
         """
+        with self._lock:
+            return self._dead(state, idle=idle)
+
+    def _dead(self, state: _RendezvousState, *, idle: bool) -> list[_NodeDesc]:
         now = time.monotonic()
         self._observe(state, idle=idle, now=now)
         nodes = list(state.last_heartbeats)

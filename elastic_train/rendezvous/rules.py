@@ -38,6 +38,11 @@ another host's timestamp with this one's
 (:class:`~elastic_train.rendezvous.liveness.Liveness`), so a skewed clock
 evicts nobody.
 
+Joins are batched (:mod:`elastic_train.rendezvous.joins`): a join step that would
+add this node to the state is posted as a request key instead, and one elected
+agent folds the pending requests into the state with one compare-and-swap per
+batch (:meth:`FastOpExecutor._by_folder`).
+
 And two mechanical changes: instead of sleeping 1 s whenever it has to wait,
 the join loop wakes on the next change of the state key (the backend watches
 it) or at the moment the last call ends; and torch's rendezvous events are
@@ -68,9 +73,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _remove_participant_epilogue,
     _RendezvousContext,
     _RendezvousState,
+    _should_keep_alive,
 )
 
 from elastic_train.log import get_logger
+from elastic_train.rendezvous.joins import JOIN_ACTIONS, JoinRequester
 from elastic_train.rendezvous.liveness import HeartbeatKeys, Liveness, node_name
 
 __all__ = [
@@ -175,11 +182,22 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
         # Only this node's own clock ever judges whether its own heartbeat is due.
         self._own_beat: tuple[_NodeDesc, datetime] | None = None
         # A pruned node stays in etcd until some node writes the state, and each
-        # read prunes it again: log it once.
+        # read prunes it again: log it once per round.
         self._reported_dead: set[_NodeDesc] = set()
+        self._reported_round = -1
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         record_event(self, run_id=self._settings.run_id, message=message, node_state=node_state)
+
+    @property
+    def token(self) -> int:
+        """The mod_revision of the state last read or written (0: none yet)."""
+        return self._token if isinstance(self._token, int) else 0
+
+    def prune(self, state: _RendezvousState) -> None:
+        """Remove from ``state`` (read by the join folder) the nodes this agent judges dead."""
+        idle = state.complete and not awaited(state)
+        _remove_nodes(state, self._liveness.dead(state, idle=idle), self._settings)
 
     def beat(self, node: _NodeDesc) -> None:
         """Rule 3: ``node``'s heartbeat goes to its own key; the state is not written."""
@@ -194,17 +212,26 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
             state.last_heartbeats[node] = max(state.last_heartbeats[node], when)
         idle = state.complete and not awaited(state)
         self._dead_nodes = self._liveness.dead(state, idle=idle)
+        if state.round != self._reported_round:
+            self._reported_round, self._reported_dead = state.round, set()
         for node in set(self._dead_nodes) - self._reported_dead:
             log.info("rendezvous_node_pruned", node=node_name(node), round=state.round)
-        self._reported_dead = set(self._dead_nodes)
-        removed = False
-        for node in self._dead_nodes:
-            del state.last_heartbeats[node]
-            removed = state.participants.pop(node, None) is not None or removed
-            state.wait_list.discard(node)
-            state.redundancy_list.discard(node)
-        if removed:
-            _remove_participant_epilogue(state, self._settings)
+        self._reported_dead |= set(self._dead_nodes)
+        _remove_nodes(state, self._dead_nodes, self._settings)
+
+
+def _remove_nodes(
+    state: _RendezvousState, nodes: list[_NodeDesc], settings: RendezvousSettings
+) -> None:
+    """torch's sanitizer: drop ``nodes`` from every list of ``state``."""
+    removed = False
+    for node in nodes:
+        state.last_heartbeats.pop(node, None)
+        removed = state.participants.pop(node, None) is not None or removed
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+    if removed:
+        _remove_participant_epilogue(state, settings)
 
 
 class FastOpExecutor(_DistributedRendezvousOpExecutor):
@@ -216,11 +243,22 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         state_holder: WatchedStateHolder,
         settings: RendezvousSettings,
         *,
-        changes: ChangeWaiter,
+        changes: ChangeWaiter | None,
+        joins: JoinRequester | None = None,
+        offer_to_lead: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(node, state_holder, settings)
         self._holder = state_holder
         self._changes = changes
+        self._joins = joins  # None: torch's way, every node writes its own join
+        self._offer_to_lead = offer_to_lead
+        self._deferred = False
+
+    def apply_for(self, node: _NodeDesc, state: _RendezvousState, action: _Action) -> None:
+        """Apply torch's ``action`` for ``node`` (not this agent) to ``state``: the join fold."""
+        other = FastOpExecutor(node, self._holder, self._settings, changes=None)
+        other._state = state
+        other._apply(action)
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         record_event(
@@ -239,6 +277,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
     ) -> None:
         action = None
         conflicts = 0
+        self._deferred = False
         while action != _Action.FINISH:
             written = self._state_holder.sync()
             if written is False:  # another node wrote first
@@ -259,6 +298,8 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.KEEP_ALIVE and self._node in self._state.last_heartbeats:
                 self._holder.beat(self._node)  # rule 3
                 continue
+            if self._by_folder(action):
+                continue
             if action == _Action.SYNC:
                 if self._changes.wait_for_change(self._wait_seconds()):
                     # Every waiting node wakes on each change; spreading the
@@ -269,6 +310,30 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline is not None:
                 deadline = update_deadline(self._settings.timeout.join)
             self._state_holder.mark_dirty()
+
+    def _by_folder(self, action: _Action) -> bool:
+        """Whether ``action`` is left to the join folder (batched joins): a join step is
+        posted as a request; completing the round is left to the folder for a moment,
+        so that the participants do not all race to write it at the deadline."""
+        if self._joins is None or self._changes is None:
+            return False
+        if action in JOIN_ACTIONS:
+            self._joins.request(self._state, token=self._holder.token)
+            self._offer_to_lead()
+            if _should_keep_alive(_RendezvousContext(self._node, self._state, self._settings)):
+                # torch's node would be in the state with a fresh heartbeat by now;
+                # one that waits for the fold must not look dead meanwhile (rule 3).
+                self._holder.beat(self._node)
+            self._changes.wait_for_change(self._wait_seconds())
+            return True
+        if action == _Action.MARK_RENDEZVOUS_COMPLETE and not self._deferred:
+            # The folder completes the round at the deadline; the others do it
+            # themselves only if it has not within one keep-alive interval (it died).
+            self._deferred = True
+            wait = self._settings.keep_alive_interval.total_seconds()
+            self._changes.wait_for_change(wait * random.uniform(1.0, 1.2))
+            return True
+        return False
 
     def _apply(self, action: _Action) -> None:
         handlers: dict[_Action, Callable[[], None]] = {
@@ -308,8 +373,12 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             left=node_name(self._node),
             others=len(state.participants) - 1,
         )
+        # The others are in no list now, so their heartbeats are no one's concern
+        # until they join again (with a fresh one): left in, K stale entries made
+        # every agent judge, and prune, every other one while the next round formed.
+        for node in state.participants:
+            state.last_heartbeats.pop(node, None)
         state.participants.clear()
-        state.last_heartbeats.pop(self._node, None)
         state.complete = False
         state.deadline = None
         state.round += 1

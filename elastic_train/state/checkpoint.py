@@ -103,6 +103,7 @@ class CheckpointManager:
         fingerprint: str,
         async_save: bool = True,
         is_writer: bool,
+        remove_temporaries: bool = True,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"checkpoint.keep must be an integer >= 1, got {keep!r}")
@@ -125,7 +126,8 @@ class CheckpointManager:
         self._closed = False
         if is_writer:
             self.directory.mkdir(parents=True, exist_ok=True)
-            remove_stale_temporaries(self.directory)
+            if remove_temporaries:  # False: another process may be writing here now
+                remove_stale_temporaries(self.directory)
 
     # ------------------------------------------------------------------ saving
 
@@ -158,6 +160,12 @@ class CheckpointManager:
         finally:
             stats.blocked_seconds = time.perf_counter() - start
             metrics.checkpoint_blocked(stats.blocked_seconds)
+
+    def write(self, step: int, state: dict, *, metadata: dict[str, Any]) -> None:
+        """Write ``state`` (host tensors) as checkpoint ``step`` here and now: the
+        node agent's persister (``state/persist.py``), which got the trainer's
+        ``metadata``. Raises ``CheckpointWriteError`` (logged and counted)."""
+        self._write(step, state, metadata, SaveStats(step, 0.0, 0.0))
 
     def _submit(self, args: tuple[Any, ...]) -> Future[None] | None:
         """Queue the write on the writer thread, or write here if threads are over (exit)."""

@@ -49,6 +49,7 @@ from elastic_train.state.snapshot_layout import (
     SlotEncoder,
     SlotMapping,
     decode_checked,
+    parse_header,
     slot_end,
     sum64,
     verify,
@@ -92,6 +93,7 @@ class SnapshotStore:
             raise SnapshotError(
                 f"run_id must be 1-128 characters of [A-Za-z0-9_.-], got {run_id!r}"
             )
+        self.run_id = run_id
         self.directory = Path(root) / f"elastic_train-{os.getuid()}-{run_id}"
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
@@ -355,6 +357,60 @@ class SnapshotStore:
             log.info("snapshot_loaded", step=header["step"], path=str(self.directory))
             return header["step"], state
         return None
+
+    def copy_published(self, *, min_step: int, attempts: int = 5) -> tuple[dict, bytearray]:
+        """(header, bytes) of a private copy of the published slot, of a step >= ``min_step``.
+
+        For a reader that runs while the writer goes on saving (the node
+        agent's persister): the writer may refill the slot during the copy, so
+        the copy is verified afterwards (checksum, and the live header still
+        the copied one) and retried on the newer slot. Read with ``pread``, not
+        a mapping: a slot file that a restarted writer shrinks would be a SIGBUS.
+        Raises ``SnapshotError``.
+        """
+        if not self._open_directory():
+            raise SnapshotError(f"{self.directory}: no snapshot directory")
+        problem = "no published snapshot"
+        for _ in range(attempts):
+            head = self._read_head()
+            if head is None:
+                break
+            if head[1] < min_step:
+                problem = f"the published snapshot is step {head[1]}, older than {min_step}"
+                break
+            try:
+                header, raw = self._copy_slot(head[0])
+            except SnapshotError as exc:
+                problem = str(exc)
+                continue
+            if header["step"] >= min_step:
+                return header, raw
+            problem = f"slot-{head[0]} holds step {header['step']}, older than {min_step}"
+        raise SnapshotError(f"{self.directory}: cannot copy step >= {min_step}: {problem}")
+
+    def _copy_slot(self, slot: int) -> tuple[dict[str, Any], bytearray]:
+        name = self.directory / _slot_name(slot)
+        fd = self._open(_slot_name(slot), os.O_RDONLY)
+        try:
+            first = os.pread(fd, HEADER_BYTES, 0)
+            try:
+                _, end, _ = parse_header(first)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise SnapshotError(f"{name}: being rewritten ({exc})") from exc
+            raw = bytearray(end)
+            view, done = memoryview(raw), 0
+            while done < end and (count := os.preadv(fd, [view[done:]], done)):
+                done += count
+            if done < end:
+                raise SnapshotError(f"{name}: {done} of {end} bytes (shrunk while copied)")
+            header, _ = verify(raw, fingerprint=self.fingerprint, name=str(name))
+            if os.pread(fd, HEADER_BYTES, 0) != bytes(raw[:HEADER_BYTES]):
+                raise SnapshotError(f"{name}: rewritten while it was copied")
+            return header, raw
+        except OSError as exc:
+            raise SnapshotError(f"{name}: unreadable ({exc})") from exc
+        finally:
+            os.close(fd)
 
     def remove(self) -> None:
         """Delete this run's snapshots (at run completion)."""

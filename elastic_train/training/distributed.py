@@ -22,6 +22,7 @@ from elastic_train.config.job import ElasticConfig
 from elastic_train.errors import ConfigError
 from elastic_train.log import get_logger
 from elastic_train.metrics import node_name_from
+from elastic_train.training.membership import EtcdAccess
 
 log = get_logger(__name__)
 
@@ -138,11 +139,15 @@ def init_distributed(env: WorkerEnv, cfg: ElasticConfig) -> DistContext:
     """Join the process group; each NCCL worker is bound to GPU ``LOCAL_RANK``."""
     backend = choose_backend(cfg.backend, cuda_available=torch.cuda.is_available())
     device = worker_device(env, cfg)
+    if cfg.recovery == "inprocess":
+        EtcdAccess.from_env().codec()  # a ConfigError naming what is missing, before any group
     if backend == "nccl":
-        # Abort the communicator on a failed or timed-out collective (torch's
-        # current default, pinned): a dead peer then ends the step with an error
-        # after pg_timeout_seconds instead of blocking the GPU stream for good.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # Abort the communicator on a failed or timed-out collective: a dead peer
+        # then ends the step with an error after pg_timeout_seconds instead of
+        # blocking the GPU stream for good. 3 (torch's default, pinned) also tears
+        # the process down; in-process recovery keeps it (2: clean up only).
+        handling = "2" if cfg.recovery == "inprocess" else "3"
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", handling)
     timeout = timedelta(seconds=cfg.pg_timeout_seconds)
     if env.launched:
         # MASTER_ADDR/MASTER_PORT come from torchrun's rendezvous (env://).

@@ -21,6 +21,7 @@ code reads plain tensors as it does under DDP.
 from __future__ import annotations
 
 import copy
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ from elastic_train.config.job import JobConfig, TrainingConfig
 from elastic_train.errors import ConfigError
 from elastic_train.log import get_logger
 from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.state.persist import SOCKET_ENV as PERSIST_SOCKET_ENV
+from elastic_train.state.persist import AgentCheckpointManager
 from elastic_train.state.sharded import ShardedCheckpointManager
 from elastic_train.training.distributed import DistContext, WorkerEnv
 from elastic_train.training.state_sync import NodeSnapshots, open_snapshots
@@ -136,24 +139,52 @@ def open_checkpoints(
     if not cfg.checkpoint.dir:
         return None
     if is_sharded(model):
+        if cfg.checkpoint.writer == "agent" and ctx.is_main:
+            log.info("checkpoint_writer_fallback", writer="trainer", reason="fsdp2 (no snapshots)")
         return ShardedCheckpointManager(
             cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=fingerprint,
             async_save=cfg.checkpoint.async_save, model=model, optimizer=optimizer,
             timeout_seconds=cfg.elastic.pg_timeout_seconds,
         )  # fmt: skip
-    return CheckpointManager(
+    socket_path = os.environ.get(PERSIST_SOCKET_ENV, "")
+    if cfg.checkpoint.writer == "agent" and ctx.is_main and not socket_path:
+        log.info("checkpoint_writer_fallback", writer="trainer",
+                 reason=f"no node agent persister ({PERSIST_SOCKET_ENV} unset: not under torchrun "
+                        "with the etcd-v3 rendezvous)")  # fmt: skip
+    if cfg.checkpoint.writer != "agent" or not socket_path:
+        return CheckpointManager(
+            cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=fingerprint,
+            async_save=cfg.checkpoint.async_save, is_writer=ctx.is_main,
+        )  # fmt: skip
+    manager = AgentCheckpointManager(
         cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=fingerprint,
-        async_save=cfg.checkpoint.async_save, is_writer=ctx.is_main,
+        async_save=cfg.checkpoint.async_save, is_writer=ctx.is_main, socket_path=socket_path,
     )  # fmt: skip
+    # node_snapshots() is called next, with this ctx.env: it attaches its store.
+    _AWAITING_SNAPSHOTS[id(ctx.env)] = manager
+    return manager
+
+
+#: Agent-writer managers waiting for their node's snapshots, by id of the WorkerEnv.
+_AWAITING_SNAPSHOTS: dict[int, AgentCheckpointManager] = {}
 
 
 def node_snapshots(cfg: JobConfig, env: WorkerEnv, *, fingerprint: str) -> NodeSnapshots | None:
-    """This node's per-step snapshots; none for fsdp2, which relies on its DCP checkpoints."""
+    """This node's per-step snapshots; none for fsdp2, which relies on its DCP checkpoints.
+
+    With ``checkpoint.writer = "agent"`` the checkpoint manager that
+    :func:`open_checkpoints` made for this env gets the store: it persists
+    from it (without one it writes itself, ``checkpoint_writer_fallback``).
+    """
+    manager = _AWAITING_SNAPSHOTS.pop(id(env), None)
     if cfg.training.parallel == "fsdp2":
         if cfg.elastic.snapshot:
             log.info("snapshot_off", reason="training.parallel = 'fsdp2'", fallback="disk")
         return None
-    return open_snapshots(cfg.elastic, env, fingerprint=fingerprint)
+    snapshots = open_snapshots(cfg.elastic, env, fingerprint=fingerprint)
+    if manager is not None and snapshots is not None and snapshots.enabled:
+        manager.attach(snapshots.store, snapshots.hold)
+    return snapshots
 
 
 def consolidate(t: Trainer) -> Trainer:

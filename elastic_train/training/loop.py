@@ -45,6 +45,7 @@ from elastic_train.training.fsdp import (
     wrap_for_training,
 )
 from elastic_train.training.guards import LoopGuards, build_eval_set
+from elastic_train.training.inprocess import InProcess, LoopHooks, run_step_or_recover
 from elastic_train.training.losses import TrainingLoss
 from elastic_train.training.optim import (
     global_batch_size,
@@ -62,7 +63,7 @@ from elastic_train.training.start_finish import (
     restore_or_resume_from,
 )
 from elastic_train.training.state_sync import NodeSnapshots
-from elastic_train.training.step import run_step
+from elastic_train.training.step import StepStart
 from elastic_train.training.tracking import Tracking, open_tracking
 from elastic_train.workload.datasets import DataBundle
 
@@ -101,6 +102,12 @@ class Trainer:
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics.from_env)
     snapshots: NodeSnapshots | None = None
     tracking: Tracking = field(default_factory=lambda: Tracking([], watermark_dir=""))
+    fingerprint: str = ""
+    #: In-process recovery (elastic.recovery = "inprocess"), set by train().
+    inprocess: InProcess | None = None
+    #: The step in flight, set by run_step until its gradients are all-reduced.
+    step_start: StepStart | None = None
+    step_started_at: float = 0.0
     #: Set by build() after the restore.
     ddp: DistributedDataParallel = field(init=False)
 
@@ -161,7 +168,7 @@ def build(
         guards=LoopGuards(cfg, device=ctx.device), eval_set=build_eval_set(cfg, data),
         progress=ProgressMarker(cfg.checkpoint.dir, writer=ctx.is_main),
         snapshots=node_snapshots(cfg, ctx.env, fingerprint=fingerprint),
-        tracking=open_tracking(cfg, is_main=ctx.is_main),
+        tracking=open_tracking(cfg, is_main=ctx.is_main), fingerprint=fingerprint,
     )  # fmt: skip
     restore(trainer)
     # Wrapped after the restore: DDP's constructor broadcasts rank 0's weights.
@@ -225,6 +232,17 @@ def restore(t: Trainer) -> None:
         t.audit.resume(restored_step=t.step, source=restored.source)
 
 
+#: What an in-process re-form needs of the loop (training/inprocess.py).
+HOOKS = LoopHooks(
+    state_dict=lambda t: state_dict(t),
+    load_state_dict=lambda t, s: load_state_dict(t, s),
+    wrap=lambda t, ctx: t.comm_hook.register(wrap_model(compiled(t.model, t.cfg.training), ctx)),
+    open_checkpoints=lambda t, ctx: open_checkpoints(
+        t.cfg, ctx, fingerprint=t.fingerprint, model=t.model, optimizer=t.optimizer
+    ),
+)
+
+
 def save_checkpoint(t: Trainer, *, reason: str, blocking: bool = False) -> None:
     """Checkpoint the current step (rank 0 writes); a no-op if it is already saved."""
     if t.checkpoint is None or t.step == t.last_saved_step:
@@ -286,8 +304,9 @@ def train(t: Trainer) -> TrainResult:
     t.batches.start(t.sampler, step=t.step, rank=t.ctx.rank, world_size=t.ctx.world_size,
                     training=t.cfg.training)  # fmt: skip
     save_checkpoint(t, reason="restored_from_snapshot")  # a no-op unless restore() asked
+    t.inprocess = InProcess.start(t, HOOKS)
     while not finished(t):
-        outcome = run_step(t, state=lambda: state_dict(t))
+        outcome = run_step_or_recover(t, state=lambda: state_dict(t))
         if outcome.epoch_ended:
             save_checkpoint(t, reason="epoch_end")
         elif checkpoint_due(t):
@@ -361,6 +380,8 @@ def close(t: Trainer, *, release_group: bool = True) -> None:
     """
     t.guards.close()
     t.metrics.close()
+    if t.inprocess is not None:
+        t.inprocess.close()
     if t.checkpoint is not None:
         t.checkpoint.close()
     if t.audit is not None:

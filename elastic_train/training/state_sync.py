@@ -198,6 +198,25 @@ class NodeSnapshots:
         log.warning("snapshot_kept", step=step, reason=reason, seconds=seconds)
         return True
 
+    def hold(self, step: int, state: dict[str, Any]) -> bool:
+        """Whether the snapshot now holds ``step``, saving ``state`` when it does not
+        yet: for a disk checkpoint that the node agent writes from the snapshot."""
+        if not self.enabled:
+            return False
+        if step == self.cadence.last_step:
+            return True  # the cadence took it already: free
+        started = time.perf_counter()
+        try:
+            self.store.save(step, state)
+        except SnapshotError as exc:
+            self._disable(step, exc)
+            return False
+        # Counted like the cadence's own: the next due snapshot and its cost
+        # measure see it, so the adaptive K stays within its budget.
+        self._last_cost += time.perf_counter() - started
+        self.cadence.observe_snapshot(step, time.perf_counter() - started)
+        return True
+
     def _disable(self, step: int, exc: SnapshotError) -> None:
         self.enabled = False
         log.error("snapshot_disabled", step=step, error=str(exc), fallback="disk checkpoints")

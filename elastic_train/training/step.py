@@ -299,7 +299,10 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     A failure in either collective snapshots the last completed step first.
     """
     started, epoch, lr = time.perf_counter(), t.sampler.epoch, current_lr(t)
-    start = StepStart.capture(t) if t.snapshots is not None and t.snapshots.rescues else None
+    rescues = t.snapshots is not None and t.snapshots.rescues
+    start = StepStart.capture(t) if rescues or t.inprocess is not None else None
+    # In-process recovery rewinds a failed step from these (training/inprocess.py).
+    t.step_start, t.step_started_at = start, started
     batch = t.sampler.next_global_batch()
     shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
 
@@ -309,6 +312,7 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     rewound = (lambda: start.rewind(state())) if start is not None else state
     with snapshot_on_failure(t, step=t.step, state=rewound):
         losses = train_step(t, batch, shard, before_sync=record)
+    t.step_start = None  # every rank's gradients are in: the optimizer step follows
     t.step += 1
     due = t.step == 1 or t.guards.preemption.check_due(t.step)
     agreement = Agreement(t, losses.loss_sum) if due else None

@@ -1,0 +1,292 @@
+"""In-process recovery: survivors of a peer's failure re-form the group and go on.
+
+With ``elastic.recovery = "inprocess"`` a failed collective does not end the
+worker. :func:`recover` aborts the broken group, agrees the new members
+through etcd (:mod:`elastic_train.training.membership`), forms a new default
+group on a fresh store prefix, rolls back at most the step in flight from
+memory, agrees on the newest step among the survivors (a ring all-reduce can
+finish on one rank and fail on another: the newest state is broadcast, no
+optimizer step is undone), and rebuilds what depends on rank and world size:
+the DDP wrapper (never the old reducer), the data loader workers, the audit
+writer (a new attempt with a resume record ``source="inprocess"``), the
+checkpoint writer and the progress marker when rank 0 changed.
+
+Anything it cannot handle (fenced out, no agreement, a peer failing in every
+one of ``elastic.inprocess_max_reforms`` re-forms, a failure that killed
+nobody) raises, the worker exits, and torchrun's agent restarts the group:
+the restart path is the safety net. See docs/recovery-inprocess.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.audit import AuditWriter
+from elastic_train.errors import InProcessRecoveryError, MemberLostError
+from elastic_train.log import bind_context, get_logger
+from elastic_train.state.restore import broadcast_state
+from elastic_train.training.distributed import DistContext, broadcast_attempt_id
+from elastic_train.training.membership import EtcdAccess, Generation, Membership
+from elastic_train.training.progress_marker import ProgressMarker
+from elastic_train.training.step import StepOutcome, run_step
+
+if TYPE_CHECKING:
+    from elastic_train.training.loop import Trainer
+
+log = get_logger(__name__)
+
+#: Seconds a group abort may take before the worker gives up (NCCL's can hang).
+_ABORT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class LoopHooks:
+    """What the loop lends the re-form (passed in: this module does not import the loop)."""
+
+    state_dict: Callable[[Trainer], dict[str, Any]]
+    load_state_dict: Callable[[Trainer, dict[str, Any]], None]
+    wrap: Callable[[Trainer, DistContext], Any]  # the training wrapper (DDP) for the new group
+    open_checkpoints: Callable[[Trainer, DistContext], Any]
+
+
+@dataclass
+class InProcess:
+    """One worker's in-process recovery: its membership and its counters."""
+
+    membership: Membership
+    hooks: LoopHooks
+    max_reforms: int
+    probe_seconds: float
+    pg_timeout_seconds: float
+    recoveries: int = 0
+    #: Recoveries since the last completed step: a failure that every re-form
+    #: meets again (not a peer's death) ends in the restart path.
+    unsettled: int = 0
+
+    @classmethod
+    def start(cls, t: Trainer, hooks: LoopHooks) -> InProcess | None:
+        """Register generation 0 (the group torchrun formed); None when the switch is off."""
+        elastic = t.cfg.elastic
+        if elastic.recovery != "inprocess":
+            return None
+        membership = Membership(EtcdAccess.from_env(), lineage=t.attempt, node=t.ctx.env.node)
+        deadline = time.monotonic() + elastic.pg_timeout_seconds
+        membership.register(rank=t.ctx.rank, world_size=t.ctx.world_size, deadline=deadline)
+        return cls(
+            membership, hooks, max_reforms=elastic.inprocess_max_reforms,
+            probe_seconds=elastic.inprocess_probe_seconds,
+            pg_timeout_seconds=elastic.pg_timeout_seconds,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.membership.close()
+
+
+def abort_group(t: Trainer) -> None:
+    """Drop DDP (its reducer holds the broken group) and destroy the group.
+
+    NCCL communicators are aborted first, under a timeout since that can hang.
+    Gloo's are not: its abort took seconds here (2 cores, loaded), during which
+    the liveness responder starved, and it does not wake a survivor blocked in
+    a receive either (docs/recovery-inprocess.md, step 3).
+    """
+    t.__dict__.pop("ddp", None)
+    gc.collect()  # the reducer must go while the group is registered (see loop.close)
+    if not dist.is_initialized():
+        return
+    if t.ctx.backend == "nccl":  # untested without a GPU: kept small and guarded
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is None:
+            raise InProcessRecoveryError("this torch cannot abort an NCCL group in place")
+        _run_guarded(abort, seconds=_ABORT_TIMEOUT_S)
+    if dist.is_initialized():  # the abort also deregisters the group
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _run_guarded(call: Callable[[], Any], *, seconds: float) -> None:
+    """``call()`` in a thread; :class:`InProcessRecoveryError` if it takes over ``seconds``."""
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            call()
+        except Exception as exc:  # torch's: the destroy that follows still frees the group
+            failed.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="group-abort", daemon=True).start()
+    if not done.wait(seconds):
+        raise InProcessRecoveryError(f"aborting the process group took over {seconds} s")
+    if failed:
+        log.warning("process_group_abort_failed", error=failed[0][:300])
+
+
+def form_group(t: Trainer, gen: Generation, *, timeout: float) -> DistContext:
+    """The new default group of ``gen`` on its rank 0's store, checked by a barrier."""
+    ip = t.inprocess
+    assert ip is not None
+    store = gen.store(ip.membership.endpoints, timeout=timeout, probe_timeout=ip.probe_seconds)
+    dist.init_process_group(
+        t.ctx.backend, store=store, rank=gen.rank, world_size=gen.world_size,
+        timeout=timedelta(seconds=timeout),
+        device_id=t.ctx.device if t.ctx.backend == "nccl" else None,
+    )  # fmt: skip
+    ctx = DistContext(
+        env=dataclasses.replace(t.ctx.env, rank=gen.rank, world_size=gen.world_size),
+        backend=t.ctx.backend, device=t.ctx.device,
+    )  # fmt: skip
+    dist.barrier()
+    return ctx
+
+
+def reform(t: Trainer) -> tuple[DistContext, float, float]:
+    """Agree and form, retrying when a peer fails meanwhile; the context and the
+    seconds spent agreeing and forming."""
+    ip = t.inprocess
+    assert ip is not None
+    agreement_s = group_s = 0.0
+    for _ in range(ip.max_reforms):
+        started = time.perf_counter()
+        # Every member alive is possible: a collective timed out on a slow peer,
+        # or a receive from the dead peer outlived the others' recovery (gloo
+        # wakes it only at the timeout). The same members re-form then.
+        gen = ip.membership.agree(probe_timeout=ip.probe_seconds)
+        agreed = time.perf_counter()
+        agreement_s += agreed - started
+        if gen.nodes < ip.membership.access.min_nodes:
+            raise InProcessRecoveryError(
+                f"{gen.nodes} nodes left, fewer than --nnodes' minimum "
+                f"{ip.membership.access.min_nodes}: the restart path waits for more"
+            )
+        try:
+            ctx = form_group(t, gen, timeout=ip.pg_timeout_seconds)
+            return ctx, agreement_s, group_s + time.perf_counter() - agreed
+        except (RuntimeError, MemberLostError) as exc:  # torch's DistError, store errors
+            group_s += time.perf_counter() - agreed
+            log.warning("inprocess_reform_failed", generation=gen.number, error=str(exc))
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    raise InProcessRecoveryError(f"no group formed in {ip.max_reforms} re-forms")
+
+
+def roll_back(t: Trainer, hooks: LoopHooks) -> int:
+    """Back to the last completed step, then to the newest among the survivors;
+    returns the step that was in flight at the failure (for lost-step accounting)."""
+    start, t.step_start = t.step_start, None
+    in_flight = t.step + 1 if start is not None else t.step
+    if start is not None:  # failed inside the step: its optimizer step never ran
+        t.sampler.load_state_dict(start.sampler)
+        torch.set_rng_state(start.torch_rng["torch"])
+        if "cuda" in start.torch_rng:
+            torch.cuda.set_rng_state_all(start.torch_rng["cuda"])
+        t.comm_hook.load_state_dict(start.comm_hook)
+        t.step = start.step
+    t.optimizer.zero_grad(set_to_none=True)
+    steps = torch.tensor([t.step, -t.step], dtype=torch.int64, device=t.ctx.device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    newest, oldest = int(steps[0].item()), -int(steps[1].item())
+    if newest != oldest:
+        mine = t.ctx.rank if t.step == newest else t.ctx.world_size
+        holder = torch.tensor([mine], dtype=torch.int64, device=t.ctx.device)
+        dist.all_reduce(holder, op=dist.ReduceOp.MIN)
+        src = int(holder.item())
+        own = hooks.state_dict(t) if t.ctx.rank == src else None
+        state = broadcast_state(own, src, None, fingerprint="inprocess", step=newest,
+                                map_location=t.ctx.device)  # fmt: skip
+        if own is None:
+            hooks.load_state_dict(t, state)
+        log.info("inprocess_newest_broadcast", step=newest, src=src, oldest=oldest)
+    return in_flight
+
+
+def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool) -> None:
+    """Everything that depends on rank and world size, for the new group (``t.ctx``)."""
+    ctx = t.ctx
+    bind_context(rank=ctx.rank, world_size=ctx.world_size)
+    t.ddp = hooks.wrap(t, ctx)  # a new reducer; DDP broadcasts rank 0's (equal) weights
+    t.batches.start(t.sampler, step=t.step, rank=ctx.rank, world_size=ctx.world_size,
+                    training=t.cfg.training)  # fmt: skip
+    t.attempt = broadcast_attempt_id(ctx)
+    if t.audit is not None:
+        t.audit.close()
+        t.audit = AuditWriter(
+            t.cfg.logging.audit_dir, attempt=t.attempt, rank=ctx.rank,
+            world_size=ctx.world_size, node=ctx.env.node,
+        )  # fmt: skip
+        t.audit.resume(restored_step=t.step, source="inprocess")
+    if ctx.is_main != was_main:
+        # Old rank 0 died: the checkpoint and the progress marker need a new writer.
+        if t.checkpoint is not None:
+            t.checkpoint.close()
+            t.checkpoint = hooks.open_checkpoints(t, ctx)
+            t.last_saved_step = -1  # the first due save writes, whatever the old writer did
+        t.progress.close()
+        t.progress = ProgressMarker(t.cfg.checkpoint.dir, writer=ctx.is_main)
+
+
+def recover(t: Trainer, failure: str) -> None:
+    """Re-form the group in place after ``failure`` (a broken collective's error),
+    or raise :class:`InProcessRecoveryError` for the restart path."""
+    ip = t.inprocess
+    assert ip is not None
+    # From the failed step's start: an upper bound of the detection, which cannot
+    # see the moment the peer died (the runner measures kill -> first step).
+    detection_s = time.perf_counter() - t.step_started_at
+    log.warning("inprocess_recovery_started", step=t.step, error=failure[:300])
+    try:
+        with t.guards.long_operation("inprocess_recovery"):
+            abort_group(t)
+            was_main = t.ctx.is_main
+            t.ctx, agreement_s, group_s = reform(t)
+            started = time.perf_counter()
+            in_flight = roll_back(t, ip.hooks)
+            rollback_s = time.perf_counter() - started
+            rebuild(t, ip.hooks, was_main=was_main)
+    except InProcessRecoveryError as exc:
+        log.error("inprocess_recovery_failed", error=str(exc), after=failure[:300],
+                  fallback="restart")  # fmt: skip
+        raise
+    ip.recoveries += 1
+    lost = max(0, in_flight - t.step)
+    t.metrics.resumed(restored_step=t.step, lost_steps=lost)
+    log.info(
+        "inprocess_recovered", step=t.step, lost_steps=lost, world_size=t.ctx.world_size,
+        rank=t.ctx.rank, attempt=t.attempt, detection_s=round(detection_s, 4),
+        agreement_s=round(agreement_s, 4), group_init_s=round(group_s, 4),
+        rollback_s=round(rollback_s, 4), recoveries=ip.recoveries,
+    )  # fmt: skip
+
+
+def run_step_or_recover(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
+    """:func:`run_step`; with in-process recovery on, a broken collective re-forms
+    the group instead of ending the worker (the step is then redone)."""
+    if t.inprocess is None:
+        return run_step(t, state=state)
+    try:
+        outcome = run_step(t, state=state)
+        t.inprocess.unsettled = 0
+        return outcome
+    except RuntimeError as exc:  # torch's DistError family: a peer's death broke a collective
+        error = f"{type(exc).__name__}: {exc}"
+    t.inprocess.unsettled += 1
+    if t.inprocess.unsettled > t.inprocess.max_reforms:
+        raise InProcessRecoveryError(
+            f"{t.inprocess.unsettled} recoveries without a completed step; last error: {error}"
+        )
+    # Out of the except block: the traceback's frames (the failed step's work
+    # objects, DDP's no_sync context) hold the broken group, and its sockets
+    # must close for the survivors still blocked on this rank to notice.
+    recover(t, error)
+    return StepOutcome(signalled=None, epoch_ended=False)

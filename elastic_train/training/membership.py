@@ -1,0 +1,305 @@
+"""Who is still in the group after a peer failed: liveness, generations, agreement.
+
+In-process recovery (``elastic.recovery = "inprocess"``, docs/recovery-inprocess.md)
+keeps the survivors' processes. They need to agree, without torchrun, on the
+members of the next process group and on a store to form it on:
+
+- At each formation (generation ``g``) every worker starts a liveness
+  responder (a thread that answers a one-byte ping) and a TCPStore server,
+  and registers both addresses under ``{prefix}/inprocess/{lineage}/g{g}/``.
+  The store of the next group's rank 0 is already listening when it is needed,
+  and it is not the old ``MASTER_ADDR`` store, which dies with old rank 0.
+- After a failed collective a survivor pings the old members (a SIGKILLed
+  process refuses at once; a stopped one does not answer within the probe
+  timeout) and proposes the live ones as generation ``g + 1`` with one
+  create-if-absent etcd transaction. Everyone adopts the winning proposal; a
+  worker that is not in it is fenced out and leaves to the restart path.
+
+Values in etcd are framed by the job's :class:`ValueCodec` (signed with the
+rendezvous secret), the same as the rendezvous' own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from elastic_train.errors import (
+    ConfigError,
+    ElasticTrainError,
+    InProcessRecoveryError,
+    MemberLostError,
+)
+from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
+from elastic_train.etcd.codec import MIN_SECRET_BYTES, ValueCodec
+from elastic_train.log import get_logger
+
+log = get_logger(__name__)
+
+#: Set by the torchrun plugin in the agent (inherited by the workers): how to
+#: reach the rendezvous etcd, as JSON. Never holds a secret or a password: those
+#: come from ``secret_file``, ``ELASTIC_TRAIN_RDZV_SECRET`` and ``ETCD_PASSWORD``.
+ETCD_ENV = "ELASTIC_TRAIN_INPROCESS_ETCD"
+SECRET_ENV = "ELASTIC_TRAIN_RDZV_SECRET"
+_PING, _PONG = b"?", b"!"
+#: Seconds between two reads of etcd while waiting for peers' registrations.
+_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """What a worker needs to reach the job's etcd: the JSON of :data:`ETCD_ENV`."""
+
+    endpoints: tuple[str, ...]
+    prefix: str  # {key_prefix}/{run_id}
+    protocol: str = "http"
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    username: str | None = None
+    secret_file: str | None = None
+    insecure: bool = False
+    #: torchrun's --nnodes minimum: fewer live nodes go to the restart path, which waits
+    min_nodes: int = 1
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> EtcdAccess:
+        raw = environ.get(ETCD_ENV)
+        if not raw:
+            raise ConfigError(
+                "elastic.recovery = 'inprocess' needs the etcd rendezvous: start the workers "
+                "with torchrun --rdzv-backend etcd (or etcd-v3) and elastic_train installed, "
+                f"which sets {ETCD_ENV}; use elastic.recovery = 'restart' otherwise"
+            )
+        try:
+            fields = json.loads(raw)
+            return cls(**{**fields, "endpoints": tuple(fields["endpoints"])})
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"environment variable {ETCD_ENV} is malformed: {exc}") from exc
+
+    def codec(self, environ: Mapping[str, str] = os.environ) -> ValueCodec:
+        """The job's codec: the secret from ``secret_file``, else the environment."""
+        secret = Path(self.secret_file).read_bytes().strip() if self.secret_file else b""
+        secret = secret or environ.get(SECRET_ENV, "").strip().encode()
+        if not secret and not self.insecure:
+            raise ConfigError(
+                "elastic.recovery = 'inprocess': no rendezvous secret reached the worker "
+                f"(rdzv-conf secret_file or {SECRET_ENV})"
+            )
+        if secret and len(secret) < MIN_SECRET_BYTES:
+            raise ConfigError(f"the rendezvous secret is shorter than {MIN_SECRET_BYTES} bytes")
+        return ValueCodec(secret or None)
+
+    def client(self, environ: Mapping[str, str] = os.environ) -> EtcdClient:
+        password = environ.get("ETCD_PASSWORD") if self.username else None
+        config = EtcdClientConfig(
+            endpoints=self.endpoints, protocol=self.protocol, cacert=self.cacert,
+            cert=self.cert, key=self.key, username=self.username, password=password,
+            dial_timeout=2.0, read_timeout=2.0,
+        )  # fmt: skip
+        return EtcdClient(config)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One worker of a generation: who it is and where it answers."""
+
+    id: str  # node/pid: unique in the job while the process lives
+    host: str
+    ping_port: int
+    store_port: int
+
+
+class Endpoints:
+    """This worker's liveness responder and its (idle until needed) TCPStore server."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._server = socket.create_server(("", 0), backlog=64)
+        self.ping_port = self._server.getsockname()[1]
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self._closed = False
+        threading.Thread(target=self._serve, name="liveness", daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(1.0)
+                    if conn.recv(1) == _PING:
+                        conn.sendall(_PONG)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+
+
+def probe(member: Member, *, timeout: float) -> bool:
+    """Whether ``member`` answers a ping within ``timeout`` seconds."""
+    try:
+        with socket.create_connection((member.host, member.ping_port), timeout=timeout) as conn:
+            conn.settimeout(timeout)
+            conn.sendall(_PING)
+            return conn.recv(1) == _PONG
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class Generation:
+    """An agreed group: its number, members in rank order, and this worker's rank."""
+
+    number: int
+    members: tuple[Member, ...]
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def nodes(self) -> int:
+        return len({m.id.rsplit("/", 1)[0] for m in self.members})
+
+    def store(self, endpoints: Endpoints, *, timeout: float, probe_timeout: float) -> dist.Store:
+        """A fresh-prefix store on the TCPStore of the generation's rank 0, once
+        every member has arrived there. A member that stops answering pings
+        meanwhile raises :class:`MemberLostError` at once: the group would never form."""
+        head = self.members[0]
+        if self.rank == 0:
+            base: dist.Store = endpoints.store
+        else:
+            if not probe(head, timeout=probe_timeout):  # a client would retry until timeout
+                raise MemberLostError(f"generation {self.number}: rank 0 ({head.id}) is gone")
+            try:
+                base = dist.TCPStore(head.host, head.store_port, is_master=False,
+                                     timeout=timedelta(seconds=timeout))  # fmt: skip
+            except RuntimeError as exc:
+                raise MemberLostError(f"generation {self.number}: {exc}") from exc
+        store = dist.PrefixStore(f"g{self.number}", base)
+        self._arrive(store, timeout=timeout, probe_timeout=probe_timeout)
+        return store
+
+    def _arrive(self, store: dist.Store, *, timeout: float, probe_timeout: float) -> None:
+        """Mark this member ready and wait for the others, probing the missing ones:
+        survivors notice a failure at different times (at their next collective)."""
+        store.set(f"ready/{self.rank}", "1")
+        missing = [r for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + timeout
+        while missing:
+            missing = [r for r in missing if not store.check([f"ready/{r}"])]
+            gone = [self.members[r].id for r in missing
+                    if not probe(self.members[r], timeout=probe_timeout)]  # fmt: skip
+            if gone:
+                raise MemberLostError(f"generation {self.number}: {gone} died before it formed")
+            if missing and time.monotonic() > deadline:
+                raise MemberLostError(f"generation {self.number}: {missing} never arrived")
+            if missing:
+                time.sleep(_POLL_S)
+
+
+class Membership:
+    """The generations of one lineage of groups (one torchrun attempt and its re-forms)."""
+
+    def __init__(
+        self, access: EtcdAccess, *, lineage: str, node: str, host: str | None = None
+    ) -> None:
+        self.access = access
+        self._client = access.client()
+        self._codec = access.codec()
+        self._root = f"{access.prefix}/inprocess/{lineage}"
+        self.me = Member(f"{node}/{os.getpid()}", "", 0, 0)
+        self._endpoints = Endpoints(host or socket.getfqdn())
+        self.me = Member(
+            self.me.id, self._endpoints.host, self._endpoints.ping_port,
+            self._endpoints.store.port,
+        )  # fmt: skip
+        self.current: Generation | None = None
+
+    @property
+    def endpoints(self) -> Endpoints:
+        return self._endpoints
+
+    def _put(self, key: str, value: object) -> None:
+        raw = key.encode()
+        self._client.put(raw, self._codec.encode(raw, json.dumps(value).encode()))
+
+    def _decode(self, key: bytes, value: bytes) -> object:
+        return json.loads(self._codec.decode(key, value))
+
+    def register(self, *, rank: int, world_size: int, deadline: float) -> Generation:
+        """Generation 0: every rank of the group torchrun formed registers; wait for all."""
+        prefix = f"{self._root}/g0/"
+        self._put(f"{prefix}{rank:06d}", asdict(self.me))
+        while True:
+            kvs, _ = self._client.get_prefix(prefix.encode())
+            if len(kvs) >= world_size:
+                break
+            if time.monotonic() > deadline:
+                raise InProcessRecoveryError(
+                    f"only {len(kvs)} of {world_size} workers registered under {prefix}"
+                )
+            time.sleep(_POLL_S)
+        members = tuple(
+            Member(**self._decode(kv.key, kv.value))  # type: ignore[arg-type]
+            for kv in sorted(kvs, key=lambda kv: kv.key)
+        )
+        self.current = Generation(0, members, rank)
+        return self.current
+
+    def agree(self, *, probe_timeout: float) -> Generation:
+        """The next generation: the live members, as the first proposal to reach etcd
+        said. Raises :class:`InProcessRecoveryError` when this worker is not in it."""
+        current = self.current
+        assert current is not None, "register() first"
+        others = [m for m in current.members if m.id != self.me.id]
+        with ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
+            answers = list(pool.map(lambda m: probe(m, timeout=probe_timeout), others))
+        alive = {m.id: ok for m, ok in zip(others, answers, strict=True)}
+        proposal = [asdict(m) for m in current.members if m.id == self.me.id or alive[m.id]]
+        number = current.number + 1
+        key = f"{self._root}/gen/{number:06d}".encode()
+        try:
+            value = self._codec.encode(key, json.dumps(proposal).encode())
+            written, existing, _ = self._client.put_if_value(key, value, expected=None)
+            winner = proposal if written else self._decode(key, existing.value)  # type: ignore[union-attr]
+        except ElasticTrainError as exc:
+            raise InProcessRecoveryError(f"no agreement on generation {number}: {exc}") from exc
+        members = tuple(Member(**m) for m in winner)  # type: ignore[union-attr]
+        ids = [m.id for m in members]
+        log.info(
+            "membership_agreed", generation=number, proposed=written,
+            members=ids, dead=[i for i, ok in alive.items() if not ok],
+        )  # fmt: skip
+        if self.me.id not in ids:
+            raise InProcessRecoveryError(
+                f"fenced out of generation {number}: the others agreed on {ids} without this "
+                "worker (it did not answer their liveness probe in time)"
+            )
+        self.current = Generation(number, members, ids.index(self.me.id))
+        return self.current
+
+    def close(self) -> None:
+        self._endpoints.close()
+        self._client.close()

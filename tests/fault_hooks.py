@@ -1,0 +1,111 @@
+"""A model that shows where each worker is in its gradient all-reduce, for the fault tests.
+
+``--model.name=fault_hooks:probe_mlp`` is the built-in MLP plus two probes:
+
+- every rank but rank 0 sleeps ``model.options.allreduce_pause_s`` right before
+  its gradient all-reduce starts, so rank 0 spends nearly all of each step
+  *inside* the all-reduce, waiting for the others: a kill of rank 0's node at
+  any moment lands there (a sleep costs no CPU and changes no number); a world
+  of one sleeps too, so the pace holds to the end;
+- with ``model.options.probe_dir`` each worker appends a line when its
+  all-reduce starts (``enter``: the last parameter's gradient is computed, so
+  DDP launches its bucket now) and when it ended (``exit``: the optimizer step
+  begins, which DDP lets happen only once the all-reduce finished). A worker
+  whose last line is ``enter`` died inside its all-reduce.
+
+``model.options.ballast_mib`` adds a frozen parameter of that many MiB of
+zeros: the checkpoint writes take long enough for a kill to catch one in flight
+(``kill:rank0@save``); it never changes, so it changes no other number.
+
+The probe needs one backward per step (``training.micro_batch_size=0``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from elastic_train.config.job import ModelConfig
+from elastic_train.workload.models import mlp
+
+#: the probe file of this process (one per worker process: restarts get new ones)
+_probe_file: Path | None = None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _mark(event: str) -> None:
+    if _probe_file is None:
+        return
+    line = {"event": event, "rank": _rank(), "node": os.environ.get("ELASTIC_TRAIN_NODE"),
+            "pid": os.getpid(), "time": time.time()}  # fmt: skip
+    with _probe_file.open("a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
+def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _mark("exit")
+
+
+def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
+    """The registry's ``mlp`` with the all-reduce probes of this module's docstring."""
+    global _probe_file
+    model = mlp(cfg, info)
+    ballast = int(float(cfg.options.get("ballast_mib", 0)) * 2**20 / 4)
+    if ballast:
+        model.register_parameter("ballast", nn.Parameter(torch.zeros(ballast), requires_grad=False))
+    pause = float(cfg.options.get("allreduce_pause_s", 0.0))
+    probe_dir = str(cfg.options.get("probe_dir", ""))
+    if probe_dir:
+        Path(probe_dir).mkdir(parents=True, exist_ok=True)
+        if _probe_file is None:  # one global hook per process
+            register_optimizer_step_pre_hook(_on_optimizer_step)
+        node = os.environ.get("ELASTIC_TRAIN_NODE", "single")
+        _probe_file = Path(probe_dir) / f"probe-{node}-{os.getpid()}.jsonl"
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen = [0]
+
+    def on_grad(grad: torch.Tensor) -> torch.Tensor:
+        # A tensor hook runs before the gradient is accumulated, so before
+        # DDP's own hook on it: at the last one the bucket is not launched yet.
+        seen[0] += 1
+        if seen[0] == len(params):
+            seen[0] = 0
+            if pause and (_rank() != 0 or _world_size() == 1):
+                time.sleep(pause)  # a world of one keeps the pace, with no all-reduce to wait in
+            _mark("enter")
+        return grad
+
+    for param in params:
+        param.register_hook(on_grad)
+    return model
+
+
+def probe_lines(probe_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each worker process's probe lines, by file name (``probe-<node>-<pid>``)."""
+    return {path.stem: _parsed(path) for path in sorted(probe_dir.glob("probe-*.jsonl"))}
+
+
+def _parsed(path: Path) -> list[dict[str, Any]]:
+    lines = []
+    for text in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(text))
+        except ValueError:
+            continue  # a line torn by the kill: the writer died while appending it
+    return lines

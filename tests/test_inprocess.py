@@ -1,0 +1,221 @@
+"""In-process recovery (``elastic.recovery = "inprocess"``): survivors keep their processes.
+
+- the switch and what it needs, refused before any process group;
+- the membership agreement with real etcd and real processes: a SIGKILLed and
+  a SIGSTOPped member are left out, every survivor adopts the same generation,
+  and the stopped one, resumed, finds itself fenced;
+- end to end: ``elastic-train local`` on 3 nodes, node 1 killed, then the node
+  of rank 0 (its store dies with it): the same worker processes go on at world
+  sizes 2 and 1, exactly once, and end where a fault-free single process does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from chaos_runs import ENV, PACED, UNPACED, assert_ends_like_reference
+
+from elastic_train.config.load import load_config
+from elastic_train.errors import ConfigError
+from elastic_train.local.cluster import MAIN_SCRIPT
+from elastic_train.torchrun_plugin import INPROCESS_ETCD_ENV
+from elastic_train.training.distributed import WorkerEnv, init_distributed
+from elastic_train.training.membership import ETCD_ENV, EtcdAccess
+
+STEPS = 40
+TRAINER_ARGS = [
+    "--data.name=synthetic",
+    "--data.num_samples=96",
+    "--training.global_batch_size=16",
+    f"--training.steps={STEPS}",
+    "--training.final_loss_samples=96",
+    "--checkpoint.interval_steps=4",
+    "--model.name=tests.paced_model:paced_mlp",
+    # A survivor blocked in a receive from the dead peer wakes only at this
+    # timeout (gloo); the others re-form meanwhile (docs/recovery-inprocess.md).
+    "--elastic.pg_timeout_seconds=10",
+]
+
+
+# -- the switch -------------------------------------------------------------------
+
+
+def test_the_switch_defaults_to_restart_and_names_itself_when_wrong() -> None:
+    assert load_config(None, []).elastic.recovery == "restart"
+    with pytest.raises(ConfigError, match=r"elastic\.recovery"):
+        load_config(None, ["elastic.recovery=inplace"])
+    with pytest.raises(ConfigError, match=r"elastic\.recovery.*batch_mode"):
+        load_config(None, ["elastic.recovery=inprocess", "training.batch_mode=per_worker"])
+
+
+def test_inprocess_without_the_etcd_rendezvous_is_refused_before_any_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ETCD_ENV, raising=False)
+    cfg = load_config(None, ["elastic.recovery=inprocess"])
+    with pytest.raises(ConfigError, match=rf"elastic\.recovery.*{ETCD_ENV}"):
+        init_distributed(WorkerEnv(), cfg.elastic)
+    assert not dist.is_initialized()
+
+
+def test_the_plugin_and_the_worker_agree_on_the_env_and_it_holds_no_secret(
+    rdzv_secret_file: Path,
+) -> None:
+    assert INPROCESS_ETCD_ENV == ETCD_ENV
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic_train.torchrun_plugin import inprocess_etcd_env
+
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint="127.0.0.1:2379,127.0.0.2:2379", run_id="job1",
+        min_nodes=2, max_nodes=4, secret_file=str(rdzv_secret_file), key_prefix="/et",
+    )  # fmt: skip
+    raw = inprocess_etcd_env(params)
+    assert rdzv_secret_file.read_text().strip() not in raw
+    access = EtcdAccess.from_env({ETCD_ENV: raw})
+    assert access.endpoints == ("127.0.0.1:2379", "127.0.0.2:2379")
+    assert (access.prefix, access.min_nodes) == ("/et/job1", 2)
+    assert access.codec({}).signed
+
+
+# -- the agreement ----------------------------------------------------------------
+
+#: One member: registers generation 0, then agrees on each line read from stdin.
+MEMBER = r"""
+import json, sys, time
+from elastic_train.errors import InProcessRecoveryError
+from elastic_train.training.membership import EtcdAccess, Membership
+rank, world, lineage = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+m = Membership(EtcdAccess.from_env(), lineage=lineage, node=f"node{rank}", host="127.0.0.1")
+m.register(rank=rank, world_size=world, deadline=time.monotonic() + 60)
+print(json.dumps({"registered": rank}), flush=True)
+for _ in sys.stdin:
+    try:
+        gen = m.agree(probe_timeout=1.0)
+        out = {"generation": gen.number, "rank": gen.rank,
+               "members": [x.id.split("/")[0] for x in gen.members]}
+    except InProcessRecoveryError as exc:
+        out = {"fenced": str(exc)}
+    print(json.dumps(out), flush=True)
+"""
+
+
+def _member_env(etcd_endpoint: str, secret_file: Path) -> dict[str, str]:
+    access = EtcdAccess(
+        endpoints=(etcd_endpoint,), prefix=f"/test-inprocess/{uuid.uuid4().hex[:8]}",
+        secret_file=str(secret_file),
+    )  # fmt: skip
+    return {**ENV, ETCD_ENV: access.to_env()}
+
+
+def _start_member(rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    command = [sys.executable, "-c", MEMBER, str(rank), "4", "lineage0"]
+    return subprocess.Popen(
+        command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def _answer(proc: subprocess.Popen[str]) -> dict:
+    assert proc.stdout is not None
+    for line in proc.stdout:  # log lines go to stdout too
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"member {proc.args[3]} ended without an answer")
+
+
+def test_survivors_agree_without_the_killed_and_the_stopped_member(
+    etcd_endpoint: str, rdzv_secret_file: Path
+) -> None:
+    env = _member_env(etcd_endpoint, rdzv_secret_file)
+    procs = [_start_member(rank, env) for rank in range(4)]
+    try:
+        assert [_answer(p) for p in procs] == [{"registered": r} for r in range(4)]
+        procs[1].kill()
+        procs[1].wait(timeout=10)
+        os.kill(procs[3].pid, signal.SIGSTOP)
+        for survivor in (procs[0], procs[2]):  # both ask before either answers
+            assert survivor.stdin is not None
+            survivor.stdin.write("agree\n")
+            survivor.stdin.flush()
+        answers = [_answer(procs[0]), _answer(procs[2])]
+        members = ["node0", "node2"]
+        assert answers == [
+            {"generation": 1, "rank": 0, "members": members},
+            {"generation": 1, "rank": 1, "members": members},
+        ]
+        os.kill(procs[3].pid, signal.SIGCONT)
+        assert procs[3].stdin is not None
+        procs[3].stdin.write("agree\n")
+        procs[3].stdin.flush()
+        fenced = _answer(procs[3])
+        assert "fenced out of generation 1" in fenced["fenced"], fenced
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+# -- end to end -------------------------------------------------------------------
+
+
+def _run_local(run_dir: Path, *args: str) -> dict:
+    summary_path = run_dir / "out" / "summary.json"
+    command = [
+        sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "3", "--min-nodes", "1",
+        "--chaos", "kill:1@step6,kill:rank0@step14", "--json", str(summary_path),
+        "--run-dir", str(run_dir), "--quiet", "--timeout", "240", "--metrics-port", "0", *args,
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+    assert summary_path.is_file(), proc.stderr[-3000:]
+    return json.loads(summary_path.read_text())
+
+
+def _resumes_by_process(run_dir: Path) -> dict[str, list[tuple[str, int]]]:
+    """(source, world size) of each resume record, per worker process (audit file)."""
+    found: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for path in sorted((run_dir / "audit").glob("worker-*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("kind") == "resume":
+                found[path.name].append((record["source"], record["world_size"]))
+    return dict(found)
+
+
+@pytest.mark.slow
+def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    summary = _run_local(run_dir, *TRAINER_ARGS, PACED, "--elastic.recovery=inprocess")
+    assert summary["completed"], summary
+    assert summary["final_step"] == STEPS
+    assert summary["exactly_once"], summary["exactly_once_detail"]
+    recoveries = summary["recoveries"]
+    assert [(r["kind"], r["node"], r["world_size_after"]) for r in recoveries] == [
+        ("kill", 1, 2),
+        ("kill", 0, 1),
+    ]
+    for recovery in recoveries:
+        assert recovery["restore_source"] == "inprocess", recovery
+        assert 0 <= recovery["lost_steps"] <= 1, recovery
+    # Audit files are per process: node 2's one worker wrote all three starts,
+    # so it was never restarted; node 0's saw the first re-form before it died.
+    resumes = _resumes_by_process(run_dir)
+    by_node = {name.split("-")[1]: starts for name, starts in resumes.items()}
+    assert len(resumes) == 3, resumes
+    assert by_node["node2"][1:] == [("inprocess", 2), ("inprocess", 1)]
+    assert by_node["node0"][1:] == [("inprocess", 2)]
+    assert by_node["node1"][1:] == []
+    reference = [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS, UNPACED]
+    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)

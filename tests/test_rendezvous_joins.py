@@ -1,0 +1,178 @@
+"""Batched joins (``elastic_train.rendezvous.joins``) with real handlers against a real etcd:
+a round of many agents, the folder's takeover, refused requests, a closed rendezvous."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import structlog
+from rendezvous_threads import join_all
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from elastic_train.etcd.codec import ValueCodec
+from elastic_train.rendezvous import backend as rendezvous
+from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
+from elastic_train.rendezvous.joins import fold
+from elastic_train.rendezvous.liveness import node_name
+
+
+@pytest.fixture(autouse=True)
+def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> None:
+    # The handlers sign with the job secret (rdzv_secret, in the environment).
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+
+
+def _handlers(
+    endpoint: str, count: int, *, min_nodes: int, max_nodes: int, **conf: object
+) -> list[EtcdV3RendezvousHandler]:
+    run_id = f"joins-{uuid.uuid4().hex[:8]}"
+    return [
+        rendezvous.create_handler(
+            RendezvousParameters(
+                "etcd-v3", endpoint, run_id, min_nodes, max_nodes,
+                **{"last_call_timeout": 1, **conf},
+            )
+        )
+        for _ in range(count)
+    ]  # fmt: skip
+
+
+def _poll(condition: Callable[[], bool], *, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        time.sleep(0.02)
+
+
+def _cas(handlers: list[EtcdV3RendezvousHandler]) -> tuple[int, int]:
+    backends = [h._etcd_backend for h in handlers]
+    return sum(b.cas_attempts for b in backends), sum(b.cas_conflicts for b in backends)
+
+
+def _state(handler: EtcdV3RendezvousHandler) -> Any:
+    handler._state_holder.sync()
+    return handler._state_holder.state
+
+
+def test_a_round_of_48_agents_is_consistent_and_costs_o_k_compare_and_swaps(
+    etcd_endpoint: str,
+) -> None:
+    k = 48
+    handlers = _handlers(etcd_endpoint, k, min_nodes=k, max_nodes=k)
+    started = time.monotonic()
+    results = join_all(handlers, within=60)
+    elapsed = time.monotonic() - started
+    assert sorted(results) == [(rank, k) for rank in range(k)]  # each rank exactly once
+    assert {h._state_holder.state.round for h in handlers} == {0}  # one round everywhere
+    attempts, conflicts = _cas(handlers)
+    # torch's way needs at least one successful CAS per agent (k) plus the
+    # conflicts between them (174 attempts, 126 lost, measured at k = 48); the
+    # folder writes a batch per CAS, so a whole round takes fewer than k (about 3).
+    assert attempts < k, (attempts, conflicts, elapsed)
+    assert conflicts < k // 4, (attempts, conflicts, elapsed)
+
+
+def test_another_agent_folds_the_joins_when_the_folder_dies(etcd_endpoint: str) -> None:
+    # The leader key's lease: keep_alive_interval x keep_alive_max_attempt = 2 s.
+    first, second, third = _handlers(
+        etcd_endpoint, 3, min_nodes=3, max_nodes=3, keep_alive_interval=1, keep_alive_max_attempt=2
+    )
+    firsts: list[Any] = []
+    joining = threading.Thread(target=lambda: firsts.append(first.next_rendezvous()), daemon=True)
+    with structlog.testing.capture_logs() as logs:
+        joining.start()
+        _poll(lambda: first._folder is not None and first._folder.leading, within=10, what="lead")
+        _poll(lambda: len(_state(second).participants) == 1, within=10, what="first folded")
+        assert first._folder is not None
+        first._folder.stop(release=False)  # the folder dies: nobody renews its lease
+        died = time.monotonic()
+        others = join_all([second, third], within=30)
+        took = time.monotonic() - died
+        joining.join(10)
+    ranks = sorted([firsts[0].rank, *(rank for rank, _ in others)])
+    assert ranks == [0, 1, 2] and {size for _, size in others} == {firsts[0].world_size} == {3}
+    elected = [e["node"] for e in logs if e["event"] == "rendezvous_join_folder_elected"]
+    assert elected[0] == node_name(first._this_node)
+    assert len(elected) >= 2 and elected[0] not in elected[1:], elected  # another took over
+    # The two joins waited for the dead folder's lease to expire (renewed every 2/3 s).
+    assert took >= 1.0, took
+
+
+def test_join_requests_with_a_bad_mac_or_in_the_wrong_key_are_refused(etcd_endpoint: str) -> None:
+    (handler,) = _handlers(etcd_endpoint, 1, min_nodes=1, max_nodes=3)
+    backend = handler._etcd_backend
+    keys = backend.join_keys(lease_ttl=2)
+    assert keys is not None
+    forged_node, misplaced_node = _NodeDesc("forged", 1, 0), _NodeDesc("misplaced", 2, 0)
+
+    def request(node: _NodeDesc, codec: ValueCodec, *, named: _NodeDesc) -> bytes:
+        key = keys.requests + node_name(node).encode()
+        payload = {"addr": named.addr, "pid": named.pid, "local_id": named.local_id, "round": 0}
+        keys.client.put(key, codec.encode(key, json.dumps(payload).encode()))
+        return key
+
+    other_secret = ValueCodec(secrets.token_bytes(32))
+    forged = request(forged_node, other_secret, named=forged_node)
+    # Signed with the job secret, but it names another node than its key does.
+    misplaced = request(misplaced_node, keys.codec, named=_NodeDesc("someone", 3, 0))
+    with structlog.testing.capture_logs() as logs:
+        info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    state = _state(handler)
+    assert set(state.participants) == {handler._this_node}  # neither request was applied
+    assert keys.client.get(forged)[0] is not None  # refused, not consumed
+    assert keys.client.get(misplaced)[0] is not None
+    events = {(e["event"], e.get("key")) for e in logs}
+    assert ("etcd_value_rejected", forged.decode()) in events
+    assert ("rendezvous_join_request_misplaced", misplaced.decode()) in events
+
+
+def test_a_closed_rendezvous_refuses_new_joins(etcd_endpoint: str) -> None:
+    first, late = _handlers(etcd_endpoint, 2, min_nodes=1, max_nodes=2)
+    assert join_all([first], within=30) == [(0, 1)]
+    first.set_closed()
+    with pytest.raises(RendezvousClosedError):
+        late.next_rendezvous()
+    assert late._this_node not in _state(first).participants
+    # The fold applies torch's own join step, which refuses a closed rendezvous.
+    state = _RendezvousState()
+    state.closed = True
+    applied: list[_NodeDesc] = []
+    count = fold(
+        state, [(late._this_node, 0)], first.settings, apply=lambda n, s, a: applied.append(n)
+    )
+    assert (count, applied, state.participants) == (0, [], {})
+
+
+def test_agents_read_the_folders_heartbeat_digest_and_refuse_a_forged_one(
+    etcd_endpoint: str,
+) -> None:
+    (handler,) = _handlers(etcd_endpoint, 1, min_nodes=1, max_nodes=2)
+    backend = handler._etcd_backend
+    keys = backend.join_keys(lease_ttl=5)
+    assert keys is not None
+    digest = backend._digest_key
+    backend.beat("a_1_0")
+    backend.beat("b_2_0")
+    lease = keys.client.grant_lease(5)
+    backend.publish_beats(lease=lease)
+    published = json.loads(keys.codec.decode(digest, keys.client.get(digest)[0].value))
+    assert published == backend.heartbeat_counts() and set(published) == {"a_1_0", "b_2_0"}
+    keys.client.delete(backend._beats_prefix + b"b_2_0")  # only the digest still names b
+    assert set(backend.heartbeats()) == {"a_1_0", "b_2_0"}  # read from the digest
+    forged = ValueCodec(secrets.token_bytes(32)).encode(digest, json.dumps({"c_3_0": 9}).encode())
+    keys.client.put(digest, forged, lease=lease)
+    with structlog.testing.capture_logs() as logs:
+        assert set(backend.heartbeats()) == {"a_1_0"}  # refused: the keys themselves
+    assert ("etcd_value_rejected", digest.decode()) in {(e["event"], e.get("key")) for e in logs}
+    keys.client.revoke_lease(lease)  # the folder is gone: the digest goes with its lease
+    assert keys.client.get(digest)[0] is None
