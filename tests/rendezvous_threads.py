@@ -4,8 +4,40 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from collections.abc import Callable
 
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+
+from elastic_train.rendezvous import backend as rendezvous
+from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
+
+
+def make_handlers(
+    endpoint: str, count: int, *, run_prefix: str, min_nodes: int, max_nodes: int, **conf: object
+) -> list[EtcdV3RendezvousHandler]:
+    """``count`` handlers of one fresh run (``last_call_timeout`` 1 s unless given)."""
+    run_id = f"{run_prefix}-{uuid.uuid4().hex[:8]}"
+    return [
+        rendezvous.create_handler(
+            RendezvousParameters(
+                "etcd-v3", endpoint, run_id, min_nodes, max_nodes,
+                **{"last_call_timeout": 1, **conf},
+            )
+        )
+        for _ in range(count)
+    ]  # fmt: skip
+
+
+def poll_until(
+    condition: Callable[[], bool], *, within: float, what: str, every: float = 0.02
+) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        time.sleep(every)
 
 
 def join_all(handlers: list[RendezvousHandler], *, within: float) -> list[tuple[int, int]]:

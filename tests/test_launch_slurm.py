@@ -42,8 +42,9 @@ from elastic_train.local.cluster import port_is_free
 
 __all__ = ["processes"]  # the fixture, shared with test_manifest_commands
 
-#: the jobs' steps: long enough to check them while they train
-LONG_STEPS = 80
+#: the jobs' steps: long enough to check them while they train (80 steps, about 6 s
+#: here, ended before the checks once the rendezvous got faster)
+LONG_STEPS = 400
 
 
 def _job_processes(root: psutil.Process, name: str) -> list[psutil.Process]:

@@ -7,19 +7,15 @@ import json
 import secrets
 import threading
 import time
-import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import structlog
-from rendezvous_threads import join_all
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from rendezvous_threads import join_all, make_handlers, poll_until
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from elastic_train.etcd.codec import ValueCodec
-from elastic_train.rendezvous import backend as rendezvous
 from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
 from elastic_train.rendezvous.joins import fold
 from elastic_train.rendezvous.liveness import node_name
@@ -34,23 +30,12 @@ def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) 
 def _handlers(
     endpoint: str, count: int, *, min_nodes: int, max_nodes: int, **conf: object
 ) -> list[EtcdV3RendezvousHandler]:
-    run_id = f"joins-{uuid.uuid4().hex[:8]}"
-    return [
-        rendezvous.create_handler(
-            RendezvousParameters(
-                "etcd-v3", endpoint, run_id, min_nodes, max_nodes,
-                **{"last_call_timeout": 1, **conf},
-            )
-        )
-        for _ in range(count)
-    ]  # fmt: skip
+    return make_handlers(
+        endpoint, count, run_prefix="joins", min_nodes=min_nodes, max_nodes=max_nodes, **conf
+    )
 
 
-def _poll(condition: Callable[[], bool], *, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {within} s: {what}"
-        time.sleep(0.02)
+_poll = poll_until
 
 
 def _cas(handlers: list[EtcdV3RendezvousHandler]) -> tuple[int, int]:

@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,8 @@ from typing import Any
 import pytest
 import torch.distributed.elastic.events as torch_events
 import torch.distributed.elastic.events.handlers as torch_event_handlers
-from rendezvous_threads import join_all
+from rendezvous_threads import join_all, make_handlers, poll_until
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
     RendezvousGracefulExitError,
@@ -32,7 +30,6 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.etcd.server import EtcdServer
-from elastic_train.rendezvous import backend as rendezvous
 
 #: A dead node would be pruned after 30 s x 3: far beyond every deadline below.
 SLOW_PRUNING = {"keep_alive_interval": 30, "keep_alive_max_attempt": 3}
@@ -45,25 +42,15 @@ def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) 
 
 
 def _handlers(endpoint: str, count: int, **conf: object) -> list[RendezvousHandler]:
-    run_id = f"rules-{uuid.uuid4().hex[:8]}"
     min_nodes = int(conf.pop("min_nodes", 2))  # type: ignore[call-overload]
     max_nodes = int(conf.pop("max_nodes", count))  # type: ignore[call-overload]
-    return [
-        rendezvous.create_handler(
-            RendezvousParameters(
-                "etcd-v3", endpoint, run_id, min_nodes, max_nodes,
-                **{"last_call_timeout": 1, **conf},
-            )
-        )
-        for _ in range(count)
-    ]  # fmt: skip
+    return make_handlers(  # type: ignore[return-value]
+        endpoint, count, run_prefix="rules", min_nodes=min_nodes, max_nodes=max_nodes, **conf
+    )
 
 
 def _poll(condition: Callable[[], bool], *, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {within} s: {what}"
-        time.sleep(0.05)
+    poll_until(condition, within=within, what=what, every=0.05)
 
 
 def test_survivors_re_form_without_waiting_for_the_dead_nodes_heartbeat(

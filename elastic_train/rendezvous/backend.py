@@ -15,6 +15,7 @@ or ``ELASTIC_TRAIN_RDZV_SECRET``) and checked before its bytes go anywhere
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -219,7 +220,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         with self._heartbeat_lock:
             deadline = self._get_deadline(self._settings.timeout.heartbeat)
             try:
-                self._op_executor.run(keep_alive_while_awaited, deadline)
+                beat_due = self._state_holder.beat_due
+                self._op_executor.run(
+                    functools.partial(keep_alive_while_awaited, beat_due=beat_due), deadline
+                )
             except RendezvousError as exc:
                 log.warning("rendezvous_heartbeat_failed", error=str(exc))
 

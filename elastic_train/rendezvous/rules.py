@@ -51,6 +51,7 @@ named without ``inspect.stack()`` (:func:`record_event`).
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -73,7 +74,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _remove_participant_epilogue,
     _RendezvousContext,
     _RendezvousState,
-    _should_keep_alive,
 )
 
 from elastic_train.log import get_logger
@@ -155,13 +155,18 @@ def awaited(state: _RendezvousState) -> bool:
     return bool(state.wait_list or state.redundancy_list)
 
 
-def keep_alive_while_awaited(ctx: _RendezvousContext, deadline: float) -> _Action:
-    """The background heartbeat of a participant of a completed round (rule 2)."""
+def keep_alive_while_awaited(
+    ctx: _RendezvousContext, deadline: float, *, beat_due: Callable[[_NodeDesc], bool]
+) -> _Action:
+    """The background heartbeat of a participant of a completed round (rule 2).
+
+    ``beat_due`` judges on this agent's own clock: the state's timestamp of this
+    node may have been written by the join folder, with another host's clock.
+    """
     state = ctx.state
     if not (state.complete and ctx.node in state.participants and awaited(state)):
         return _Action.FINISH
-    beat = state.last_heartbeats.get(ctx.node)
-    if beat is not None and beat > datetime.now(timezone.utc) - ctx.settings.keep_alive_interval:
+    if not beat_due(ctx.node):
         return _Action.FINISH
     return _Action.ERROR_TIMEOUT if time.monotonic() > deadline else _Action.KEEP_ALIVE
 
@@ -181,6 +186,7 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
         )
         # Only this node's own clock ever judges whether its own heartbeat is due.
         self._own_beat: tuple[_NodeDesc, datetime] | None = None
+        self._own_beat_at: dict[_NodeDesc, float] = {}  # monotonic
         # A pruned node stays in etcd until some node writes the state, and each
         # read prunes it again: log it once per round.
         self._reported_dead: set[_NodeDesc] = set()
@@ -199,8 +205,15 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
         idle = state.complete and not awaited(state)
         _remove_nodes(state, self._liveness.dead(state, idle=idle), self._settings)
 
+    def beat_due(self, node: _NodeDesc) -> bool:
+        """Whether ``node`` (this agent's) last beat a keep-alive interval ago or never,
+        on this agent's monotonic clock."""
+        last = self._own_beat_at.get(node, -math.inf)
+        return time.monotonic() - last >= self._settings.keep_alive_interval.total_seconds()
+
     def beat(self, node: _NodeDesc) -> None:
         """Rule 3: ``node``'s heartbeat goes to its own key; the state is not written."""
+        self._own_beat_at[node] = time.monotonic()
         self._liveness.beat(node)
         self._own_beat = (node, datetime.now(timezone.utc))
         self._state.last_heartbeats[node] = self._own_beat[1]
@@ -320,7 +333,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         if action in JOIN_ACTIONS:
             self._joins.request(self._state, token=self._holder.token)
             self._offer_to_lead()
-            if _should_keep_alive(_RendezvousContext(self._node, self._state, self._settings)):
+            if self._holder.beat_due(self._node):
                 # torch's node would be in the state with a fresh heartbeat by now;
                 # one that waits for the fold must not look dead meanwhile (rule 3).
                 self._holder.beat(self._node)
