@@ -23,18 +23,33 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from elastic_train.errors import EtcdValueRejectedError
 from elastic_train.etcd.client import KeyValue
 from elastic_train.log import get_logger
 
-__all__ = ["MIN_SECRET_BYTES", "ValueCodec", "read_verified"]
+__all__ = [
+    "MAKE_SECRET",
+    "MIN_SECRET_BYTES",
+    "SECRET_ENV",
+    "ValueCodec",
+    "read_job_secret",
+    "read_verified",
+]
 
 log = get_logger(__name__)
 
 #: The shortest job secret accepted: HMAC-SHA256's own key size.
 MIN_SECRET_BYTES = 32
+#: The job secret's environment variable (else rdzv-conf ``secret_file``).
+SECRET_ENV = "ELASTIC_TRAIN_RDZV_SECRET"
+MAKE_SECRET = (
+    "make one with `openssl rand -hex 32 > secret && chmod 600 secret` or "
+    '`python -c "import secrets; print(secrets.token_hex(32))"`'
+)
 
 _MAGIC = b"ETv3"
 _SIGNED, _DIGEST = b"S", b"D"
@@ -135,3 +150,28 @@ def read_verified(
         log.warning("etcd_value_reread", key=key.decode(errors="replace"), attempt=attempt)
         current = fresh
     return None
+
+
+def read_job_secret(
+    secret_file: str | None, environ: Mapping[str, str] = os.environ
+) -> bytes | None:
+    """The job secret from ``secret_file``, else from :data:`SECRET_ENV`; None if
+    neither gives one. Surrounding whitespace (the newline ``openssl`` writes) is
+    not part of it. An unreadable file or a short secret raises ValueError."""
+    if secret_file:
+        try:
+            secret = Path(secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"secret_file={secret_file!r} cannot be read: {exc.strerror}") from exc
+        return _checked_secret(secret, f"secret_file={secret_file!r}")
+    from_env = environ.get(SECRET_ENV, "").strip()
+    return _checked_secret(from_env.encode(), SECRET_ENV) if from_env else None
+
+
+def _checked_secret(secret: bytes, source: str) -> bytes:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the rendezvous secret in {source} is {len(secret)} bytes; it must be at least "
+            f"{MIN_SECRET_BYTES} bytes: {MAKE_SECRET}"
+        )
+    return secret

@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_train.etcd.client import EtcdClientConfig
-from elastic_train.etcd.codec import MIN_SECRET_BYTES, ValueCodec
+from elastic_train.etcd.codec import (
+    MAKE_SECRET,
+    MIN_SECRET_BYTES,
+    SECRET_ENV,
+    ValueCodec,
+    read_job_secret,
+)
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
-
-SECRET_ENV = "ELASTIC_TRAIN_RDZV_SECRET"
-_MAKE_SECRET = (
-    "make one with `openssl rand -hex 32 > secret && chmod 600 secret` or "
-    '`python -c "import secrets; print(secrets.token_hex(32))"`'
-)
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ def parse_config(
         client=client,
         key_prefix=key_prefix,
         ttl=int(_number(params, "ttl", 7200, int)),
-        secret=_read_secret(params.get("secret_file")),
+        secret=read_job_secret(params.get("secret_file")),
         insecure=_flag(params, "insecure"),
         handler=handler,
     )
@@ -132,7 +131,7 @@ def value_codec(config: RendezvousConfig) -> ValueCodec:
             "no rendezvous secret: every value the agents keep in etcd is signed with a job "
             f"secret of at least {MIN_SECRET_BYTES} bytes. Give the same one to every agent "
             f"in rdzv-conf secret_file=PATH or in the environment variable {SECRET_ENV} "
-            f"({_MAKE_SECRET}), or pass rdzv-conf insecure=true to run unsigned (then anyone "
+            f"({MAKE_SECRET}), or pass rdzv-conf insecure=true to run unsigned (then anyone "
             "who can write the job's etcd keys can run code on every agent)"
         )
     log.warning(
@@ -165,25 +164,3 @@ def _number(params: RendezvousParameters, key: str, default: Any, kind: type) ->
             f"{'attempts' if 'attempt' in key else 'seconds'}"
         )
     return value
-
-
-def _read_secret(secret_file: str | None) -> bytes | None:
-    """The job secret from ``secret_file``, else from the environment; surrounding
-    whitespace (the newline ``openssl`` writes) is not part of it."""
-    if secret_file:
-        try:
-            secret = Path(secret_file).read_bytes().strip()
-        except OSError as exc:
-            raise ValueError(f"secret_file={secret_file!r} cannot be read: {exc.strerror}") from exc
-        return _checked_secret(secret, f"secret_file={secret_file!r}")
-    from_env = os.environ.get(SECRET_ENV, "").strip()
-    return _checked_secret(from_env.encode(), SECRET_ENV) if from_env else None
-
-
-def _checked_secret(secret: bytes, source: str) -> bytes:
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(
-            f"the rendezvous secret in {source} is {len(secret)} bytes; it must be at least "
-            f"{MIN_SECRET_BYTES} bytes: {_MAKE_SECRET}"
-        )
-    return secret

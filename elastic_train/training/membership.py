@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -41,7 +40,7 @@ from elastic_train.errors import (
     MemberLostError,
 )
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
-from elastic_train.etcd.codec import MIN_SECRET_BYTES, ValueCodec
+from elastic_train.etcd.codec import SECRET_ENV, ValueCodec, read_job_secret
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
@@ -50,7 +49,6 @@ log = get_logger(__name__)
 #: reach the rendezvous etcd, as JSON. Never holds a secret or a password: those
 #: come from ``secret_file``, ``ELASTIC_TRAIN_RDZV_SECRET`` and ``ETCD_PASSWORD``.
 ETCD_ENV = "ELASTIC_TRAIN_INPROCESS_ETCD"
-SECRET_ENV = "ELASTIC_TRAIN_RDZV_SECRET"
 _PING, _PONG = b"?", b"!"
 #: Seconds between two reads of etcd while waiting for peers' registrations.
 _POLL_S = 0.02
@@ -92,16 +90,16 @@ class EtcdAccess:
 
     def codec(self, environ: Mapping[str, str] = os.environ) -> ValueCodec:
         """The job's codec: the secret from ``secret_file``, else the environment."""
-        secret = Path(self.secret_file).read_bytes().strip() if self.secret_file else b""
-        secret = secret or environ.get(SECRET_ENV, "").strip().encode()
-        if not secret and not self.insecure:
+        try:
+            secret = read_job_secret(self.secret_file, environ)
+        except ValueError as exc:
+            raise ConfigError(f"elastic.recovery = 'inprocess': {exc}") from exc
+        if secret is None and not self.insecure:
             raise ConfigError(
                 "elastic.recovery = 'inprocess': no rendezvous secret reached the worker "
                 f"(rdzv-conf secret_file or {SECRET_ENV})"
             )
-        if secret and len(secret) < MIN_SECRET_BYTES:
-            raise ConfigError(f"the rendezvous secret is shorter than {MIN_SECRET_BYTES} bytes")
-        return ValueCodec(secret or None)
+        return ValueCodec(secret)
 
     def client(self, environ: Mapping[str, str] = os.environ) -> EtcdClient:
         password = environ.get("ETCD_PASSWORD") if self.username else None
