@@ -8,10 +8,13 @@ measured as ``benchmarks.events`` describes.
     python -m benchmarks.recovery --repeats 5
     python -m benchmarks.recovery --repeats 5 --target rank0     # results/recovery_rank0.json
     python -m benchmarks.recovery --repeats 5 --target nonzero   # results/recovery_nonzero.json
+    python -m benchmarks.recovery --repeats 5 --recovery inprocess  # recovery_inprocess.json
 
 ``--target`` picks the node killed: the last one started (default), the one
 running global rank 0 (the rendezvous and the checkpoint writer of the plain
-script live there), or one running another rank.
+script live there), or one running another rank. ``--recovery inprocess`` runs
+ours with ``elastic.recovery = "inprocess"`` (the survivors keep their
+processes); the competitors run as always, so the file holds both.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from benchmarks import harness
 from benchmarks.events import EVENT_METRICS, Target, measure_event
 from benchmarks.harness import Competitor
+from benchmarks.workloads import Workload
 
 METRICS = EVENT_METRICS
 TARGET_MEDIAN_SECONDS = 4.0
@@ -36,6 +40,7 @@ def measure(
     warmup_steps: int = 60,
     timeout: float = 150.0,
     target: Target = "last",
+    recovery: str = "restart",
 ) -> dict[str, Any]:
     return measure_event(
         comp,
@@ -46,6 +51,7 @@ def measure(
         world_after=nodes - 1,
         warmup_steps=warmup_steps,
         timeout=timeout,
+        workload=Workload(ours_overrides=(f"--elastic.recovery={recovery}",)),
     )
 
 
@@ -71,13 +77,17 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
     parser.add_argument("--target", choices=("last", "rank0", "nonzero"), default="last")
+    parser.add_argument("--recovery", choices=("restart", "inprocess"), default="restart",
+                        help="ours' elastic.recovery")  # fmt: skip
     args = parser.parse_args(argv)
     competitors = harness.select_competitors(args.competitors)
     kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60}
     if args.smoke:
         kwargs = {"nodes": 2, "warmup_steps": 5, "timeout": 60.0}
-    kwargs["target"] = args.target
+    kwargs["target"], kwargs["recovery"] = args.target, args.recovery
     name = "recovery" if args.target == "last" else f"recovery_{args.target}"
+    if args.recovery == "inprocess":
+        name += "_inprocess"
     harness.run_benchmark(
         f"{name}_smoke" if args.smoke else name,
         args,

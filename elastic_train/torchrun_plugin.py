@@ -9,6 +9,10 @@ joins them; nothing below this module knows the others:
 - the node agent from :mod:`elastic_train.agent`, which parses its own keys
   and wraps the handler.
 
+It also tells the workers how to reach the job's etcd and, at every round,
+where that round's store is (:func:`inprocess_etcd_env`, :func:`export_rounds`:
+``elastic.recovery = "inprocess"``).
+
 Heavy imports happen inside the functions: torch loads these entry points
 while its rendezvous package is still importing, so this module must load
 without importing torch's rendezvous modules or ours.
@@ -23,9 +27,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousInfo,
+        RendezvousParameters,
+    )
 
     from elastic_train.agent.node_agent import AgentSettings
+    from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
     from elastic_train.rendezvous.config import RendezvousConfig
 
 __all__ = [
@@ -34,12 +43,15 @@ __all__ = [
     "create_handler",
     "etcd_takeover_entry_point",
     "etcd_v3_handler_entry_point",
+    "export_rounds",
     "inprocess_etcd_env",
 ]
 
 NO_TAKEOVER_ENV = "ELASTIC_TRAIN_NO_ETCD_TAKEOVER"
 #: training/membership.py's ETCD_ENV: how workers reach etcd for in-process recovery.
 INPROCESS_ETCD_ENV = "ELASTIC_TRAIN_INPROCESS_ETCD"
+#: training/exit_barrier.py's EXIT_BARRIER_ENV: where the round the agent joined keeps its store.
+EXIT_BARRIER_ENV = "ELASTIC_TRAIN_EXIT_BARRIER"
 
 HandlerCreator = Callable[["RendezvousParameters"], "RendezvousHandler"]
 
@@ -71,6 +83,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     settings = AgentSettings.from_params(params)
     handler = backend.create_handler(params, extra_keys=RDZV_CONF_KEYS)
     os.environ[INPROCESS_ETCD_ENV] = inprocess_etcd_env(params)
+    export_rounds(handler, params)
     agent = NodeAgent(settings, run_id=params.run_id, argv=sys.argv)
     agent.start(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
     if params.backend == "etcd":
@@ -101,6 +114,32 @@ def inprocess_etcd_env(params: RendezvousParameters) -> str:
         "secret_file": params.get("secret_file"), "insecure": config.insecure,
         "min_nodes": params.min_nodes,
     })  # fmt: skip
+
+
+def export_rounds(handler: EtcdV3RendezvousHandler, params: RendezvousParameters) -> None:
+    """Put :data:`EXIT_BARRIER_ENV` into the agent's environment at every round
+    ``handler`` joins, for the workers spawned next (read by ``training/exit_barrier.py``):
+    the round's store prefixes, its number of agents, the keys' lease ``ttl``. With it the
+    final rank 0 arrives at torchrun's exit barrier for nodes that in-process recovery
+    removed without a new round. Never a secret: that stays where the rendezvous reads it.
+    """
+    from elastic_train.agent.node_agent import RDZV_CONF_KEYS
+    from elastic_train.rendezvous.config import parse_config
+
+    config = parse_config(params, extra_keys=RDZV_CONF_KEYS)
+    join = handler.next_rendezvous
+
+    def next_rendezvous() -> RendezvousInfo:
+        info = join()
+        os.environ[EXIT_BARRIER_ENV] = json.dumps({
+            "store": f"{config.key_prefix}/{params.run_id}/store",  # backend.create_backend's
+            # the PrefixStore torch's DynamicRendezvousHandler._wrap_store puts the round in
+            "round": f"torch.rendezvous.{handler.settings.run_id}.{handler._joined_round}",
+            "agents": info.world_size, "ttl": config.ttl,
+        })  # fmt: skip
+        return info
+
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
 
 
 def etcd_v3_handler_entry_point() -> HandlerCreator:

@@ -6,6 +6,8 @@ TensorDataset gather) that writes down what DataLoader workers load:
 ``{data.options.log_dir}/loaded-{pid}.txt`` gets one index per line, and
 ``worker-{pid}.json`` the worker's pid, its parent (the trainer) and its
 start time, so a test can find loader workers that outlive their trainer.
+``logged_stream`` is the built-in ``synthetic_stream`` (a ``PositionalStream``)
+logged the same way, one stream position per line.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from elastic_train.config.job import DataConfig
 from elastic_train.workload.datasets import DataBundle, synthetic
+from elastic_train.workload.streams import synthetic_stream
 
 
 class LoggedItems(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -55,6 +58,23 @@ def logged_synthetic(cfg: DataConfig) -> DataBundle:
     log_dir.mkdir(parents=True, exist_ok=True)
     base = synthetic(cfg)
     return DataBundle(LoggedItems(base.dataset, log_dir), base.info)
+
+
+class LoggedStream(LoggedItems):
+    """A ``PositionalStream``: ``read`` logs the positions a DataLoader worker reads."""
+
+    def read(self, epoch: int, start: int, count: int) -> Any:
+        if get_worker_info() is not None:
+            self._worker_log().write("".join(f"{p}\n" for p in range(start, start + count)))
+        return self.inner.read(epoch, start, count)
+
+
+def logged_stream(cfg: DataConfig) -> DataBundle:
+    """``synthetic_stream``, with worker reads logged to ``data.options.log_dir``."""
+    log_dir = Path(cfg.options["log_dir"])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    base = synthetic_stream(cfg)
+    return DataBundle(LoggedStream(base.dataset, log_dir), base.info)
 
 
 def loaded_indices(log_dir: Path) -> list[int]:

@@ -193,8 +193,13 @@ def test_sigkill_of_the_agent_mid_persist_keeps_the_last_good_checkpoint(shm: Pa
         assert time.monotonic() - started < 30
         assert manager.loadable_steps(limit=5) == [5]  # the partial one never counts
         assert_whole(manager, 5)
-        # The next agent (a restarted node) removes the leftovers and goes on.
+        # The next agent (a restarted node) removes the leftovers and goes on;
+        # the dead agent's socket directory goes too (nobody else would remove it).
+        dead_directory = Path(agent.socket_path).parent
+        assert dead_directory.is_dir()
         agent = Agent(shm / "agent")
+        assert not dead_directory.exists()
+        assert Path(agent.socket_path).parent.is_dir()
         trainer.checkpoint.close()
         trainer.checkpoint = AgentCheckpointManager(
             shm / "ckpt", keep=3, fingerprint=FINGERPRINT, async_save=True,

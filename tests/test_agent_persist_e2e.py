@@ -13,16 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from chaos_runs import (
-    ENV,
-    PACED,
-    PACED_MLP,
-    PACED_STEPS,
-    UNPACED,
-    assert_completed_exactly_once,
-    assert_ends_like_reference,
-    run_kill_then_join,
-)
+from chaos_runs import ENV, PACED_STEPS, assert_completed_exactly_once
+from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
 
 from elastic_train.local.cluster import MAIN_SCRIPT
 from elastic_train.state.checkpoint import CheckpointManager
@@ -44,15 +36,17 @@ def persisted_steps(run_dir: Path) -> set[int]:
 @pytest.mark.slow
 def test_agent_writer_kill_join_and_resume_from_its_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "chaos"
-    summary = run_kill_then_join(run_dir, *PACED_MLP, PACED, AGENT_WRITER)
+    # 0.1 s a forward until the rejoined world trains, then none.
+    pace = Pace(tmp_path / "pause", 0.1)
+    summary = run_steered_kill_then_join(run_dir, *STEERED_MLP, AGENT_WRITER, pace=pace)
     assert_completed_exactly_once(summary, steps=PACED_STEPS)
-    reference = [sys.executable, str(MAIN_SCRIPT), *PACED_MLP, UNPACED]
-    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path / "reference")
+    # The reference: one process, no faults, no pause file (unpaced).
+    assert_ends_like(summary, run_dir, tmp_path / "reference", STEERED_MLP)
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
     assert '"checkpoint_persist_failed"' not in logs
     assert '"checkpoint_writer_fallback"' not in logs
 
-    # The agents wrote checkpoints in the trainer's format (the paced run leaves them time).
+    # The agents wrote checkpoints in the trainer's format (the paced steps leave them time).
     checkpoints = run_dir / "checkpoints"
     on_disk = {
         int(m.group(1)) for p in checkpoints.iterdir() if (m := re.match(r"step-(\d+)$", p.name))
@@ -70,8 +64,10 @@ def test_agent_writer_kill_join_and_resume_from_its_checkpoint(tmp_path: Path) -
     (resumed / "ckpt").mkdir(parents=True)
     name = f"step-{resume_step:09d}"
     shutil.copytree(checkpoints / name, resumed / "ckpt" / name)
-    # Paced as the run was: the model's options are part of the config fingerprint.
-    resume = [sys.executable, str(MAIN_SCRIPT), *PACED_MLP, PACED]
+    # The model's options as the run's (they are part of the config fingerprint); the
+    # pause file now says 0.
+    resume = [sys.executable, str(MAIN_SCRIPT), *STEERED_MLP,
+              f"--model.options.pause_file={pace.path}"]  # fmt: skip
     proc = subprocess.run(
         [*resume, f"--logging.audit_dir={resumed / 'audit'}",
          f"--checkpoint.dir={resumed / 'ckpt'}"],

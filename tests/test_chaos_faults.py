@@ -76,6 +76,7 @@ class Scenario:
         args: tuple[str, ...] = (),
         rdzv_endpoint: str | None = None,
         timeout_s: float = 240.0,
+        exit_wait_s: float = 20.0,
     ) -> None:
         pythonpath = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
         self.pause_file = run_dir.parent / f"{run_dir.name}-pause"
@@ -87,6 +88,7 @@ class Scenario:
             env=(("PYTHONPATH", pythonpath),), metrics_port=None, timeout_s=timeout_s,
         )  # fmt: skip
         self.steps = steps
+        self.exit_wait_s = exit_wait_s  # after the end of training, for the nodes to exit
         self.run_dir = run_dir
         self.cluster = LocalCluster(self.spec, run_dir=run_dir)
         self.deliveries: list[Delivery] = []
@@ -156,7 +158,7 @@ class Scenario:
                 lambda: result.exists() or not self.cluster.alive_nodes(),
                 what="the end of training", timeout=self.spec.timeout_s,
             )  # fmt: skip
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + self.exit_wait_s
             while self.cluster.alive_nodes() and time.monotonic() < deadline:
                 time.sleep(0.1)
         return summarize(
@@ -257,8 +259,11 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
         s.wait_for_step(s.step + 1, timeout=120)
         s.finish_fast()
 
+    # exit_wait_s: node1's agent may still wait out torchrun's 30 s SIGTERM->SIGKILL on
+    # its stopped worker when training ends; nothing below needs it gone (node0 logs
+    # the hang, the exit code and the failover), and leaving the cluster kills it.
     scenario = Scenario(
-        tmp_path / "run", steps=120, rdzv_endpoint=etcd.endpoints,
+        tmp_path / "run", steps=120, rdzv_endpoint=etcd.endpoints, exit_wait_s=5.0,
         args=("elastic.watchdog_floor_seconds=3", "elastic.watchdog_multiple=5",
               "elastic.pg_timeout_seconds=120"),
     )  # fmt: skip

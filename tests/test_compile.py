@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from elastic_train.local.cluster import MAIN_SCRIPT
+from steered_runs import forked_reference
 
 STEPS = 24
 TRAINER_ARGS = [
@@ -46,13 +45,10 @@ def test_compiled_run_survives_a_kill_and_matches_an_uncompiled_one(tmp_path: Pa
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("node*.log"))
     assert logs.count('"compile_enabled"') >= 2  # the first start and the restart
 
-    reference = subprocess.run(
-        [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS, PACED, "--model.options.seconds=0",
-         f"--logging.audit_dir={tmp_path / 'ref'}", f"--checkpoint.dir={tmp_path / 'ref-ckpt'}"],
-        env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = torch.load(tmp_path / "ref" / "final_params.pt", weights_only=True)
+    # One process, uncompiled, unpaced, without faults.
+    expected, _ = forked_reference(
+        tmp_path / "ref", [*TRAINER_ARGS, PACED, "--model.options.seconds=0"]
+    )
     actual = torch.load(run_dir / "audit" / "final_params.pt", weights_only=True)
     assert expected.keys() == actual.keys()  # no "_orig_mod." prefix in checkpoints
     for name in expected:

@@ -10,7 +10,6 @@ joins); and no worker outlives its trainer.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import psutil
 import pytest
 import torch
 from loader_data import loaded_indices, loader_workers, orphaned
+from steered_runs import Pace, forked_reference, run_steered
 from torch.utils.data import Dataset, IterableDataset
 
 from elastic_train.config.args import parse_cli
@@ -277,57 +277,50 @@ def test_no_loader_worker_outlives_a_killed_or_terminated_trainer(tmp_path: Path
 
 #: 96 samples in global batches of 16: 6 steps an epoch; micro-batches of 4, so
 #: a rank's shard takes 2 forwards at world 2 and 3. Each forward sleeps 0.08 s
-#: (tests/paced_model.py, a sleep costs no CPU), so the 110 steps after the join
-#: trigger leave the joiner 17 s or more to start: on 2 cores shared with other
-#: test runs a joiner took over 11 s.
+#: (tests/steered_model.py, a sleep costs no CPU) until the joined world trains,
+#: so the 110 steps after the join trigger leave the joiner 17 s or more to
+#: start (on 2 cores shared with other test runs a joiner took over 11 s); the
+#: steps after that run unpaced.
 CHAOS_STEPS = 120
+CHAOS_PAUSE_S = 0.08
 CHAOS_ARGS = [
     "--data.num_samples=96", "--training.global_batch_size=16",
     "--training.micro_batch_size=4", f"--training.steps={CHAOS_STEPS}",
     "--training.final_loss_samples=96", "--checkpoint.interval_steps=4",
-    "--model.name=tests.paced_model:paced_mlp",
+    "--model.name=tests.steered_model:steered",
 ]  # fmt: skip
 
 
 def _chaos_run(run_dir: Path, *, nodes: int, args: list[str]) -> tuple[dict[str, Any], list[Any]]:
     """``elastic-train local`` with a kill and a join; returns the summary and
     every loader worker seen running without its trainer for over 3 s."""
-    summary_path = run_dir / "out" / "summary.json"
+    pace = Pace(run_dir.parent / "pause", CHAOS_PAUSE_S)
     command = [
-        sys.executable, "-m", "elastic_train.cli", "local", "--nodes", str(nodes),
-        "--min-nodes", str(nodes - 1), "--chaos", "kill:1@step6,join:1@step10",
-        "--json", str(summary_path), "--run-dir", str(run_dir), "--quiet", "--timeout", "240",
-        "--metrics-port", "0", *CHAOS_ARGS, "--model.options.seconds=0.08",
-        "--data.num_workers=2", "--data.persistent_workers=true", *args,
+        "--nodes", str(nodes), "--min-nodes", str(nodes - 1),
+        "--chaos", "kill:1@step6,join:1@step10", "--run-dir", str(run_dir),
+        "--timeout", "240", "--metrics-port", "0", *CHAOS_ARGS,
+        f"--model.options.pause_file={pace.path}", "--data.num_workers=2",
+        "--data.persistent_workers=true", *args,
     ]  # fmt: skip
-    stderr_path = run_dir.parent / "local.stderr"  # a file: an unread pipe could fill up
-    with stderr_path.open("w") as stderr_file:
-        proc = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=stderr_file)
     first_orphaned: dict[int, float] = {}
     leftovers: list[Any] = []
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
+
+    def look_for_orphans() -> None:
         now = time.monotonic()
         for info in orphaned(loader_workers(run_dir / "loads")):
             since = first_orphaned.setdefault(info["pid"], now)
             if now - since > 3 and info not in leftovers:
                 leftovers.append(info)
-        time.sleep(0.25)
-    proc.kill()
-    proc.wait()
-    assert summary_path.is_file(), stderr_path.read_text()[-3000:]
-    return json.loads(summary_path.read_text()), leftovers
+
+    summary = run_steered(run_dir, command, pace=pace, nodes=nodes, env=ENV,
+                          on_tick=look_for_orphans)  # fmt: skip
+    return summary, leftovers
 
 
 def _reference(tmp_path: Path, args: list[str]) -> dict[str, torch.Tensor]:
     """The same job in one process, no workers, no faults, no pacing."""
-    proc = subprocess.run(
-        [sys.executable, str(MAIN_SCRIPT), *CHAOS_ARGS, "--model.options.seconds=0", *args,
-         f"--logging.audit_dir={tmp_path / 'ref'}", f"--checkpoint.dir={tmp_path / 'ref-ckpt'}"],
-        env=ENV, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(tmp_path / "ref" / "final_params.pt", weights_only=True)  # type: ignore[no-any-return]
+    params, _ = forked_reference(tmp_path / "ref", [*CHAOS_ARGS, *args])
+    return params
 
 
 def _assert_same_weights(run_dir: Path, expected: dict[str, torch.Tensor]) -> None:
@@ -351,29 +344,26 @@ def _assert_kill_then_join(summary: dict[str, Any], *, nodes: int) -> None:
 
 
 @pytest.mark.slow
-def test_workers_through_a_kill_and_a_join_use_every_sample_once(tmp_path: Path) -> None:
+def test_workers_reading_a_stream_through_a_kill_and_a_join_use_every_position_once(
+    tmp_path: Path,
+) -> None:
+    # One run for two properties: DataLoader workers through a kill and a join,
+    # and a stream (PositionalStream) through a resize (world 3 -> 2 -> 3), each
+    # rank reading on from the position it restored.
     run_dir = tmp_path / "run"
     loads = run_dir / "loads"
-    data = ["--data.name=tests.loader_data:logged_synthetic", f"--data.options.log_dir={loads}"]
+    data = ["--data.name=tests.loader_data:logged_stream", f"--data.options.log_dir={loads}"]
     summary, leftovers = _chaos_run(run_dir, nodes=3, args=data)
     _assert_kill_then_join(summary, nodes=3)
-    # The workers loaded more than the steps committed (batches prefetched for
+    # The workers read more than the steps committed (batches prefetched for
     # steps the kill cut short, and the steps redone after it), and none of it
     # counted: the audit above is exactly once...
     committed = summary["final_step"] * 16
     assert len(loaded_indices(loads)) > committed
-    # ...and the weights are those of one process that loaded every batch itself.
-    _assert_same_weights(run_dir, _reference(tmp_path, ["--data.name=synthetic"]))
+    # ...and the weights are those of one process that read every position itself.
+    _assert_same_weights(run_dir, _reference(tmp_path, ["--data.name=synthetic_stream"]))
     assert leftovers == []  # no loader worker outlived its trainer
     assert len(loader_workers(loads)) >= 2 * 5  # 3 trainers, 2 restarted, 1 joined
-
-
-@pytest.mark.slow
-def test_a_stream_through_a_resize_uses_every_position_once(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    summary, _ = _chaos_run(run_dir, nodes=2, args=["--data.name=synthetic_stream"])
-    _assert_kill_then_join(summary, nodes=2)  # world 2 -> 1 -> 2
-    _assert_same_weights(run_dir, _reference(tmp_path, ["--data.name=synthetic_stream"]))
 
 
 # -- streams ------------------------------------------------------------------------

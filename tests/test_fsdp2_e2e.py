@@ -9,34 +9,25 @@ run of the same config ends.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from chaos_runs import (
-    PACED,
-    PACED_MLP,
-    PACED_STEPS,
-    UNPACED,
-    assert_completed_exactly_once,
-    assert_ends_like_reference,
-    run_kill_then_join,
-    worker_records,
-)
-
-from elastic_train.local.cluster import MAIN_SCRIPT
+from chaos_runs import PACED_STEPS, assert_completed_exactly_once, worker_records
+from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
 
 STEPS = PACED_STEPS
-TRAINER_ARGS = [*PACED_MLP, "--training.parallel=fsdp2"]
+TRAINER_ARGS = [*STEERED_MLP, "--training.parallel=fsdp2"]
 
 
 @pytest.mark.slow
 def test_fsdp2_kill_and_join_end_where_a_fault_free_run_does(tmp_path: Path) -> None:
     run_dir = tmp_path / "chaos"
-    summary = run_kill_then_join(run_dir, *TRAINER_ARGS, PACED)
+    # 0.1 s a forward until the rejoined world trains, then none.
+    pace = Pace(tmp_path / "pause", 0.1)
+    summary = run_steered_kill_then_join(run_dir, *TRAINER_ARGS, pace=pace)
     assert_completed_exactly_once(summary, steps=STEPS)
     # Every restart resumed from a DCP checkpoint written at another world size.
     resumes = worker_records(run_dir, "resume")
     assert {r["source"] for r in resumes if r["restored_step"] > 0} == {"disk"}
-    reference = [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS, UNPACED]
-    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)
+    # The reference: one fsdp2 process, no faults, no pause file (unpaced).
+    assert_ends_like(summary, run_dir, tmp_path / "reference", TRAINER_ARGS)

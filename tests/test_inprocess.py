@@ -40,8 +40,9 @@ TRAINER_ARGS = [
     "--training.final_loss_samples=96",
     "--checkpoint.interval_steps=4",
     "--model.name=tests.paced_model:paced_mlp",
-    # A survivor blocked in a receive from the dead peer wakes only at this
-    # timeout (gloo); the others re-form meanwhile (docs/recovery-inprocess.md).
+    # Outside steps (the first step, saves) a survivor waiting on the dead peer
+    # wakes only at this limit; inside steps the adaptive step timeout applies
+    # (test_inprocess_faults runs at 60 s to show that one).
     "--elastic.pg_timeout_seconds=10",
 ]
 
@@ -170,6 +171,7 @@ def test_survivors_agree_without_the_killed_and_the_stopped_member(
 
 
 def _run_local(run_dir: Path, *args: str) -> dict:
+    """The run's summary; the runner's own log is left in ``run_dir/runner.log``."""
     summary_path = run_dir / "out" / "summary.json"
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "3", "--min-nodes", "1",
@@ -178,6 +180,7 @@ def _run_local(run_dir: Path, *args: str) -> dict:
     ]  # fmt: skip
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
     assert summary_path.is_file(), proc.stderr[-3000:]
+    (run_dir / "runner.log").write_text(proc.stderr)
     return json.loads(summary_path.read_text())
 
 
@@ -190,6 +193,12 @@ def _resumes_by_process(run_dir: Path) -> dict[str, list[tuple[str, int]]]:
             if record.get("kind") == "resume":
                 found[path.name].append((record["source"], record["world_size"]))
     return dict(found)
+
+
+def _events(log: Path, name: str) -> list[dict]:
+    """The structured log events ``name`` in a node's log (JSON lines among others)."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
+    return [e for e in map(json.loads, lines) if e.get("event") == name]
 
 
 @pytest.mark.slow
@@ -217,5 +226,12 @@ def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     assert by_node["node2"][1:] == [("inprocess", 2), ("inprocess", 1)]
     assert by_node["node0"][1:] == [("inprocess", 2)]
     assert by_node["node1"][1:] == []
+    # torchrun's exit barrier waits for all 3 agents of the round: the final rank 0
+    # arrived for the 2 that left, so node 2's agent exited 0 by itself (one still
+    # waiting when the runner's FINISH_GRACE_S ran out would have been terminated).
+    assert summary["nodes"]["node2"] == "exited(0)", summary["nodes"]
+    assert "local_nodes_left_after_finish" not in (run_dir / "runner.log").read_text()
+    released = _events(run_dir / "logs" / "node2.log", "exit_barrier_released")
+    assert [(e["agents"], e["present"], e["departed"]) for e in released] == [(3, 1, 2)]
     reference = [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS, UNPACED]
     assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)

@@ -16,21 +16,25 @@ One run of five nodes (and node5, which joins) holds four of the faults:
 - ``kill:rank1@step30,kill:rank2@step30``: two nodes killed milliseconds apart
   (at least three are left by then, whenever node5 gets in).
 
-A two-node run holds the last: ``stop:1@step10`` SIGSTOPs a worker; the other's
-watchdog ends the hang and it goes on alone.
+A two-node run holds the last: ``stop:1@step10`` SIGSTOPs a worker; in-process,
+the other's step timeout ends the hang and it goes on alone, in the same process.
 
 Each run completes with every sample exactly once and ends with the final
 parameters of a fault-free run. Per-step snapshots bound every kill to one lost
-step.
+step. ``pg_timeout_seconds`` stays at its default (60 s): in-process, a survivor
+that gloo leaves waiting in a receive wakes at the adaptive step timeout instead.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from chaos_runs import (
     assert_ends_like_reference,
     assert_ran_exactly_once,
@@ -39,8 +43,11 @@ from chaos_runs import (
 )
 from fault_hooks import probe_lines
 
+from elastic_train.config.load import load_config
+from elastic_train.errors import ConfigError
 from elastic_train.local.cluster import MAIN_SCRIPT
 from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.training.step_timeout import StepTimeout
 
 #: 15 epochs: the steps after the last kill are the slack for a slow joiner.
 STEPS = 90
@@ -66,7 +73,9 @@ FIVE_NODES = [
     "join:5@step8,kill:rank0@step8,kill:rank0@step16+save,kill:rank1@step30,kill:rank2@step30",
 ]  # fmt: skip
 #: an explicit watchdog timeout, so the hang's bound is known
-WATCHDOG_S = 4.0
+WATCHDOG_S = 20.0
+#: the default process-group timeout, which in-process detection must not wait for
+PG_TIMEOUT_S = 60.0
 TWO_NODES = ["--nodes", "2", "--min-nodes", "1", "--chaos", "stop:1@step10"]
 MODES = ("restart", "inprocess")
 
@@ -185,21 +194,112 @@ def test_two_kills_within_100ms(five_nodes: tuple[dict, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_a_stopped_worker_is_removed_within_the_watchdog_bound(
+def test_kills_recover_in_process_long_before_the_pg_timeout(
+    five_nodes: tuple[dict, Path],
+) -> None:
+    # pg_timeout_seconds is 60 s here. A SIGKILL's survivors fail at once: the
+    # dead peer's sockets close, and so do those of each survivor that leaves, as
+    # long as nothing keeps a broken group's backend alive (step_timeout._set_timeout:
+    # a version that kept it left the ranks two away waiting for a timeout).
+    summary, run_dir = five_nodes
+    if "inprocess" not in run_dir.name:
+        pytest.skip("in-process recovery only")
+    events = _events(summary)
+    for name in ("kill:rank0@step16+save", "kill:rank1@step30"):
+        recovery = _recovery(summary, events[name])
+        assert recovery["restore_source"] == "inprocess", recovery
+        assert recovery["seconds"] < PG_TIMEOUT_S / 3, recovery
+
+
+def _worker_events(run_dir: Path, name: str) -> list[dict]:
+    """The structured log lines ``name`` of every process, with their epoch ``time``."""
+    found = []
+    for path in (run_dir / "logs").glob("*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if f'"{name}"' not in line or not line.startswith("{"):
+                continue
+            event = json.loads(line)
+            stamp = event["timestamp"].replace("Z", "+00:00")
+            found.append({**event, "time": datetime.fromisoformat(stamp).timestamp()})
+    return found
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_removed_in_process_within_the_watchdog_bound(
     reference: list[str], tmp_path: Path
 ) -> None:
-    # In-process mode only (CI time): there the watchdog (4 s) fires before the
-    # 60 s process-group timeout, so the hang still ends in the restart path,
-    # whose own hang test in restart mode is test_chaos_faults'.
+    # In-process mode only (CI time; the restart path's hang test is
+    # test_chaos_faults'). The survivor, blocked in its all-reduce, wakes at the
+    # step timeout (5 s floor, under half the watchdog's), finds the stopped peer
+    # silent and re-forms alone: no watchdog exit, no worker restart.
     run_dir = tmp_path / "run"
     watchdog = f"--elastic.watchdog_timeout_seconds={WATCHDOG_S}"
     summary = _run(run_dir, "inprocess", TWO_NODES, watchdog)
     assert_ran_exactly_once(summary, steps=STEPS)
     (stop,) = summary["recoveries"]
     assert stop["world_size_after"] == 1 and stop["lost_steps"] <= 1, stop
-    # Blocked in its all-reduce, the survivor waits out the watchdog, then re-forms
-    # alone; 20 s is a generous bound on that re-forming on a loaded 2-core box.
-    assert WATCHDOG_S <= stop["seconds"] < WATCHDOG_S + 20, stop
-    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
-    assert '"worker_hang_detected"' in logs
+    assert stop["restore_source"] == "inprocess", stop
+    assert stop["seconds"] < WATCHDOG_S, stop
+    # The stopped worker, resumed at the end, may still log: its watchdog firing,
+    # or its own recovery finding it fenced out. The survivor's logs are checked.
+    stopped = f"node{stop['node']}"
+    survivor = [e for e in _worker_events(run_dir, "worker_hang_detected") if e["node"] != stopped]
+    assert not survivor, survivor
+    (agreed,) = [e for e in _worker_events(run_dir, "membership_agreed") if e["node"] != stopped]
+    assert [m.split("/")[0] for m in agreed["dead"]] == [stopped], agreed
     assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path / "ref")
+
+
+# -- the step timeout, the config ---------------------------------------------------
+
+
+def test_the_step_timeout_follows_the_step_time_under_half_the_watchdog() -> None:
+    now, watchdog = [0.0], [60.0]
+    timeout = StepTimeout(full_s=PG_TIMEOUT_S, multiple=10.0, floor_s=2.0,
+                          watchdog=lambda: watchdog[0], clock=lambda: now[0])  # fmt: skip
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=PG_TIMEOUT_S))  # fmt: skip
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        if not hasattr(backend, "_set_default_timeout") or not hasattr(backend, "options"):
+            pytest.skip("this torch cannot set or read a gloo group's timeout")
+        timeout.attach("gloo")
+
+        def step(seconds: float) -> float:
+            """One step of ``seconds``; the group's timeout while it ran."""
+            timeout.step_started()
+            in_force = backend.options._timeout.total_seconds()
+            now[0] += seconds
+            timeout.step_done()
+            assert backend.options._timeout.total_seconds() == PG_TIMEOUT_S  # between steps
+            return in_force
+
+        # The full limit until three intervals are known; then 10 x the median.
+        assert [step(0.5) for _ in range(5)] == [PG_TIMEOUT_S] * 4 + [5.0]
+        assert step(0.1) == 5.0  # the median, not the last one
+        assert [step(0.1) for _ in range(20)][-1] == 2.0  # the floor
+        watchdog[0] = 3.0
+        assert step(0.1) == 1.5  # half the watchdog's
+        watchdog[0] = 60.0
+        timeout.widen()  # a step timeout that killed nobody
+        assert step(0.1) == 4.0
+        timeout.attach("gloo", scale=2.0)  # a new group of half the world
+        assert [step(0.1) for _ in range(2)] == [PG_TIMEOUT_S, 4.0]  # its first step: full
+        timeout.floor_s = 1.0
+        assert step(0.1) == 2.0  # 10 x 0.1 s x 2
+        off = StepTimeout(full_s=PG_TIMEOUT_S, multiple=0.0, floor_s=2.0, watchdog=None,
+                          clock=lambda: now[0])  # fmt: skip
+        off.attach("gloo")
+        timeout = off
+        assert [step(0.1) for _ in range(5)] == [PG_TIMEOUT_S] * 5  # 0: never shortened
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "arg", ["inprocess_timeout_multiple=-1", "inprocess_timeout_floor_seconds=0"]
+)
+def test_a_bad_step_timeout_key_is_named(arg: str) -> None:
+    key = arg.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"elastic\.{key}"):
+        load_config(None, [f"elastic.{arg}"])

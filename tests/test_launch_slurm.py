@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 from k8s_manifests import REPO_ROOT
+from steered_runs import Pace
 from test_manifest_commands import (
     DEADLINE_S,
     SBATCH,
@@ -42,9 +43,12 @@ from elastic_train.local.cluster import port_is_free
 
 __all__ = ["processes"]  # the fixture, shared with test_manifest_commands
 
-#: the jobs' steps: long enough to check them while they train (80 steps, about 6 s
-#: here, ended before the checks once the rendezvous got faster)
-LONG_STEPS = 400
+#: the jobs' steps: each forward pauses PAUSE_S (tests/steered_model.py, a sleep:
+#: no CPU) until the checks below are done, so both jobs still train then however
+#: fast the machine (80 unpaced steps, about 6 s here, once ended before the checks);
+#: the steps after the checks run unpaced
+LONG_STEPS = 60
+PAUSE_S = 1.0
 
 
 def _job_processes(root: psutil.Process, name: str) -> list[psutil.Process]:
@@ -133,15 +137,20 @@ def test_two_slurm_jobs_on_one_host_both_train_with_their_own_locked_down_etcd(
     tmp_path: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
     jobs, logs, audits = ("5001", "5002"), [], []
+    pace = Pace(tmp_path / "pause", PAUSE_S)
+    # The default model (char_transformer), steered: the workers import tests.steered_model.
+    steered = ["--model.name=tests.steered_model:steered", "--model.options.inner=char_transformer",
+               f"--model.options.pause_file={pace.path}"]  # fmt: skip
     for job_id in jobs:
         env = _slurm_env(tmp_path, job_id=job_id, checkpoints=tmp_path / f"ckpt-{job_id}")
         # One address for both, as on a shared node; each job finds its own free port.
         del env["ETCD_PORT"]
         env["ELASTIC_TRAIN_ETCD_HOST"] = "127.0.0.2"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         audits.append(tmp_path / f"audit-{job_id}")
         logs.append(tmp_path / f"job-{job_id}.log")
         # More steps than TINY's: the checks below need both jobs to still be running.
-        argv = ["bash", str(SBATCH), *TINY, f"--training.steps={LONG_STEPS}",
+        argv = ["bash", str(SBATCH), *TINY, *steered, f"--training.steps={LONG_STEPS}",
                 f"--logging.audit_dir={audits[-1]}"]  # fmt: skip
         processes.append(_start(argv, env=env, cwd=REPO_ROOT, log=logs[-1]))
     roots = [psutil.Process(p.pid) for p in processes]
@@ -160,6 +169,7 @@ def test_two_slurm_jobs_on_one_host_both_train_with_their_own_locked_down_etcd(
     _check_etcd(first, second)
     _check_etcd(second, first)
     assert first.etcd.is_running() and second.etcd.is_running(), "checked while the jobs ran"
+    pace.set(0.0)  # checked: the jobs may finish now
     _wait_all(processes, logs)
     for proc, log, audit in zip(processes, logs, audits, strict=True):
         assert proc.returncode == 0, log.read_text()[-3000:]

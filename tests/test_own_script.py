@@ -16,11 +16,12 @@ import pytest
 import torch
 from chaos_runs import (
     ENV,
+    KILL_THEN_JOIN,
     assert_completed_exactly_once,
     assert_ends_like_reference,
-    run_kill_then_join,
     worker_records,
 )
+from steered_runs import Pace, run_steered
 from torch import nn
 
 from elastic_train.api import fit
@@ -36,11 +37,16 @@ STEPS = 150
 def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """``elastic-train local --script`` on 3 nodes; node 1 killed at world size 3, back at 2."""
     run_dir = tmp_path_factory.mktemp("own_script")
-    summary = run_kill_then_join(
-        run_dir, "--script", str(SCRIPT),
+    # 0.1 s a forward until the rejoined world trains, then none (tests/steered_runs.py).
+    pace = Pace(run_dir.parent / f"{run_dir.name}-pause", 0.1)
+    command = [
+        *KILL_THEN_JOIN, "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
+        "--script", str(SCRIPT),
         "--rdzv-conf", "warm_start=1",  # the script calls hand_over
         f"--training.steps={STEPS}",  # the script's command line, read on top of its config
-    )  # fmt: skip
+    ]  # fmt: skip
+    env = {**ENV, "FIT_SCRIPT_PAUSE_FILE": str(pace.path)}
+    summary = run_steered(run_dir, command, pace=pace, nodes=3, env=env)
     return summary, run_dir
 
 

@@ -27,6 +27,7 @@ from prom_tools import (
     substitute,
     wait_for,
 )
+from steered_runs import Pace, RejoinWatch
 
 from elastic_train.etcd.server import free_port
 from elastic_train.local.chaos import parse_schedule
@@ -178,14 +179,28 @@ def _check_annotations(prom: Prometheus, summary: Summary, *, start: float, end:
 
 
 JOB = "elastic-train"
-#: Each step takes at least 0.1 s (tests/paced_model.py), so the 75 steps after the
+#: Each step takes at least 0.1 s (tests/steered_model.py), so the 75 steps after the
 #: join trigger leave the joiner 7.5 s or more to start and rejoin before the end,
-#: however fast the machine trains the tiny MLP.
+#: however fast the machine trains the tiny MLP. Once the rejoined world has trained
+#: (and been scraped) for REJOINED_S, the steps left run unpaced.
 TRAINER = (
-    "--model.name=tests.paced_model:paced_mlp", "--model.options.seconds=0.1",
-    "--data.name=synthetic", "--training.steps=90",
+    "--model.name=tests.steered_model:steered", "--data.name=synthetic", "--training.steps=90",
     "--checkpoint.interval_steps=5", "--eval.every_steps=10", "--logging.log_every_steps=20",
 )  # fmt: skip
+PAUSE_S, REJOINED_S = 0.1, 4.0
+
+
+def _unpace_once_rejoined(audit: Path, pace: Pace, runner: threading.Thread) -> None:
+    """Set the pause to none once both nodes have trained again for ``REJOINED_S``."""
+    watch = RejoinWatch(audit, nodes=2)
+    rejoined: float | None = None
+    while runner.is_alive():
+        if rejoined is None and watch.poll():
+            rejoined = time.monotonic()
+        if rejoined is not None and time.monotonic() - rejoined >= REJOINED_S:
+            pace.set(0.0)
+            return
+        time.sleep(0.25)
 
 
 @needs_prometheus
@@ -207,9 +222,11 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(tmp_path: Pat
     }
     prom_dir = tmp_path / "prometheus"
     prom_dir.mkdir()
+    pace = Pace(tmp_path / "pause", PAUSE_S)
     spec = ClusterSpec(
         nodes=2, min_nodes=1, chaos=parse_schedule("kill:1@step10,join:1@step15"),
-        script_args=TRAINER, metrics_port=base, timeout_s=400,
+        script_args=(*TRAINER, f"--model.options.pause_file={pace.path}"), metrics_port=base,
+        timeout_s=400,
     )  # fmt: skip
     with Prometheus(config, prom_dir, free_port()).running() as prom:
         start = time.time()
@@ -226,6 +243,7 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(tmp_path: Pat
             )
             for text in (_scrape(base), _scrape_or_empty(base + 1) or live):
                 promtool("check", "metrics", stdin=text)
+            _unpace_once_rejoined(tmp_path / "run" / "audit", pace, runner)
         finally:
             runner.join()
         end = time.time()

@@ -5,8 +5,10 @@ process's GIL: it receives the checkpoint writer rank's requests on a Unix
 datagram socket and writes each from the node's ``/dev/shm`` snapshot
 (``state/persist.py`` has the protocol and the trainer's side). The socket
 and ``status.json`` live in a 0700 directory of this agent's own under the
-system temporary directory, removed when the agent exits; the socket's path
-reaches the workers in ``persist.SOCKET_ENV``.
+system temporary directory, removed when the agent exits (a SIGKILLed agent's
+is removed by the next agent that starts under the same directory: its socket
+refuses connections); the socket's path reaches the workers in
+``persist.SOCKET_ENV``.
 
 A request that fails (disk full, permission denied, the snapshot gone) is
 logged (``checkpoint_persist_failed``) and counted per requesting worker in
@@ -34,7 +36,7 @@ from elastic_train.log import get_logger
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.state.persist import STATUS_FILE, PersistStatus, persist_snapshot
 
-__all__ = ["Persister"]
+__all__ = ["Persister", "remove_dead_directories"]
 
 log = get_logger(__name__)
 
@@ -45,17 +47,45 @@ _MAX_REQUEST = 1 << 16
 _POLL_S = 0.5
 #: The longest Unix socket path Linux binds (sun_path is 108 bytes with its NUL).
 _SOCKET_PATH_MAX = 107
+_PREFIX = "elastic_train-persist-"
+
+
+def remove_dead_directories(parent: Path) -> int:
+    """Remove this user's persister directories under ``parent`` whose agent is gone.
+
+    A killed agent cannot remove its own. Gone means its socket file refuses a
+    connection, which holds across PID namespaces sharing the directory (a PID
+    check would not); a directory still being set up has no socket yet and is
+    left alone. Returns how many were removed.
+    """
+    removed = 0
+    for directory in parent.glob(f"{_PREFIX}*"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            if directory.lstat().st_uid != os.getuid():
+                continue
+            probe.connect(str(directory / "sock"))
+        except ConnectionRefusedError:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed += 1
+        except OSError:
+            continue  # no socket yet, not ours, or gone meanwhile
+        finally:
+            probe.close()
+    return removed
 
 
 class Persister:
     """Receives persist requests and writes them, one at a time, in a thread."""
 
     def __init__(self, parent_dir: str | Path | None = None) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="elastic_train-persist-", dir=parent_dir))
+        self.directory = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=parent_dir))
         if len(os.fsencode(self.directory / "sock")) > _SOCKET_PATH_MAX:
             # bind() refuses longer socket paths (sun_path); /tmp is short anywhere.
             self.directory.rmdir()
-            self.directory = Path(tempfile.mkdtemp(prefix="elastic_train-persist-", dir="/tmp"))
+            self.directory = Path(tempfile.mkdtemp(prefix=_PREFIX, dir="/tmp"))
+        if removed := remove_dead_directories(self.directory.parent):
+            log.info("checkpoint_persister_leftovers_removed", directories=removed)
         self.socket_path = self.directory / "sock"
         self.status_path = self.directory / STATUS_FILE
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -288,6 +288,13 @@ class ElasticConfig:
     #: In-process recovery: seconds a liveness probe waits for a peer's answer. A dead
     #: peer refuses at once; this is how long a live but starved one may take.
     inprocess_probe_seconds: float = 1.0
+    #: In-process recovery: inside a step the process group's timeout is
+    #: max(inprocess_timeout_floor_seconds, this x the median step time), below
+    #: pg_timeout_seconds and half the watchdog's, so a survivor that gloo leaves
+    #: waiting for a failed peer recovers in a few steps; 0: pg_timeout_seconds.
+    inprocess_timeout_multiple: float = 10.0
+    #: See inprocess_timeout_multiple.
+    inprocess_timeout_floor_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         _positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")
@@ -300,7 +307,9 @@ class ElasticConfig:
                "must be in (0, 1]")  # fmt: skip
         _check(self, "snapshot_max_mib", self.snapshot_max_mib >= 0, "must be >= 0 (0: no limit)")
         _check(self, "inprocess_max_reforms", self.inprocess_max_reforms >= 1, "must be >= 1")
-        _positive(self, "inprocess_probe_seconds")
+        _positive(self, "inprocess_probe_seconds", "inprocess_timeout_floor_seconds")
+        _check(self, "inprocess_timeout_multiple", self.inprocess_timeout_multiple >= 0,
+               "must be >= 0 (0: pg_timeout_seconds throughout)")  # fmt: skip
         _check(self, "watchdog_timeout_seconds", self.watchdog_timeout_seconds >= 0,
                "must be >= 0 (0: adaptive)")  # fmt: skip
         parse_signal(self.preemption_signal)

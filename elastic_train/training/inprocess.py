@@ -39,6 +39,7 @@ from elastic_train.training.distributed import DistContext, broadcast_attempt_id
 from elastic_train.training.membership import EtcdAccess, Generation, Membership
 from elastic_train.training.progress_marker import ProgressMarker
 from elastic_train.training.step import StepOutcome, run_step
+from elastic_train.training.step_timeout import StepTimeout
 
 if TYPE_CHECKING:
     from elastic_train.training.loop import Trainer
@@ -68,6 +69,7 @@ class InProcess:
     max_reforms: int
     probe_seconds: float
     pg_timeout_seconds: float
+    timeout: StepTimeout
     recoveries: int = 0
     #: Recoveries since the last completed step: a failure that every re-form
     #: meets again (not a peer's death) ends in the restart path.
@@ -82,10 +84,17 @@ class InProcess:
         membership = Membership(EtcdAccess.from_env(), lineage=t.attempt, node=t.ctx.env.node)
         deadline = time.monotonic() + elastic.pg_timeout_seconds
         membership.register(rank=t.ctx.rank, world_size=t.ctx.world_size, deadline=deadline)
+        watchdog = t.guards.watchdog
+        timeout = StepTimeout(
+            full_s=elastic.pg_timeout_seconds, multiple=elastic.inprocess_timeout_multiple,
+            floor_s=elastic.inprocess_timeout_floor_seconds,
+            watchdog=watchdog.current_timeout if watchdog is not None else None,
+        )  # fmt: skip
+        timeout.attach(t.ctx.backend)
         return cls(
             membership, hooks, max_reforms=elastic.inprocess_max_reforms,
             probe_seconds=elastic.inprocess_probe_seconds,
-            pg_timeout_seconds=elastic.pg_timeout_seconds,
+            pg_timeout_seconds=elastic.pg_timeout_seconds, timeout=timeout,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -244,12 +253,17 @@ def recover(t: Trainer, failure: str) -> None:
     # From the failed step's start: an upper bound of the detection, which cannot
     # see the moment the peer died (the runner measures kill -> first step).
     detection_s = time.perf_counter() - t.step_started_at
-    log.warning("inprocess_recovery_started", step=t.step, error=failure[:300])
+    step_timeout_s = ip.timeout.short_s or ip.timeout.full_s  # the failed step's
+    log.warning("inprocess_recovery_started", step=t.step, error=failure[:300],
+                step_timeout_s=round(step_timeout_s, 3))  # fmt: skip
     try:
         with t.guards.long_operation("inprocess_recovery"):
             abort_group(t)
-            was_main = t.ctx.is_main
+            was_main, old_world = t.ctx.is_main, t.ctx.world_size
             t.ctx, agreement_s, group_s = reform(t)
+            if ip.timeout.short_s is not None and t.ctx.world_size == old_world:
+                ip.timeout.widen()
+            ip.timeout.attach(t.ctx.backend, scale=old_world / t.ctx.world_size)
             started = time.perf_counter()
             in_flight = roll_back(t, ip.hooks)
             rollback_s = time.perf_counter() - started
@@ -266,6 +280,7 @@ def recover(t: Trainer, failure: str) -> None:
         rank=t.ctx.rank, attempt=t.attempt, detection_s=round(detection_s, 4),
         agreement_s=round(agreement_s, 4), group_init_s=round(group_s, 4),
         rollback_s=round(rollback_s, 4), recoveries=ip.recoveries,
+        step_timeout_s=round(step_timeout_s, 3),
     )  # fmt: skip
 
 
@@ -274,9 +289,11 @@ def run_step_or_recover(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> S
     the group instead of ending the worker (the step is then redone)."""
     if t.inprocess is None:
         return run_step(t, state=state)
+    t.inprocess.timeout.step_started()
     try:
         outcome = run_step(t, state=state)
         t.inprocess.unsettled = 0
+        t.inprocess.timeout.step_done()
         return outcome
     except RuntimeError as exc:  # torch's DistError family: a peer's death broke a collective
         error = f"{type(exc).__name__}: {exc}"

@@ -37,6 +37,7 @@ from elastic_train.training.batches import BatchLoader
 from elastic_train.training.comm_hooks import CommHook
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
 from elastic_train.training.evaluate import evaluate
+from elastic_train.training.exit_barrier import release_after_shrink
 from elastic_train.training.fsdp import (
     consolidate,
     node_snapshots,
@@ -370,6 +371,7 @@ def finish(t: Trainer) -> TrainResult:
             "world_size": t.ctx.world_size, "attempt": t.attempt, "dataset_len": len(t.data),
         }  # fmt: skip
         write_result(t.cfg.logging.audit_dir, result=summary, params=t.model.state_dict())
+    release_after_shrink(t.inprocess.membership if t.inprocess else None)  # exit barrier
     return result
 
 

@@ -24,6 +24,19 @@ FEATURES = 8
 CLASSES = 4
 #: The fault-free reference run sets 0: a sleep does not change the arithmetic.
 SECONDS_PER_FORWARD = float(os.environ.get("FIT_SCRIPT_SECONDS_PER_FORWARD", "0.1"))
+#: Where set, a file whose number of seconds replaces SECONDS_PER_FORWARD from the
+#: next forward on: the test ends the pause once its faults have played out.
+PAUSE_FILE = os.environ.get("FIT_SCRIPT_PAUSE_FILE")
+
+
+def _pause_seconds() -> float:
+    if PAUSE_FILE:
+        try:
+            with open(PAUSE_FILE) as file:
+                return float(file.read())
+        except (OSError, ValueError):
+            pass
+    return SECONDS_PER_FORWARD
 
 
 class PacedMLP(nn.Module):
@@ -34,7 +47,7 @@ class PacedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(SECONDS_PER_FORWARD)
+        time.sleep(_pause_seconds())
         return self.net(x)
 
 

@@ -1,0 +1,149 @@
+"""The CUDA/NCCL paths on one GPU: skipped without one (CI has none).
+
+Run on a GPU machine with ``pytest tests/test_cuda.py``. One GPU holds one
+NCCL rank (NCCL refuses two ranks on one device), so every run here is one
+node of one worker; what they check is what only a GPU exercises:
+
+- a node killed mid-run and started again resumes from the newest of its
+  /dev/shm snapshot and the disk checkpoint, both written from CUDA tensors
+  (model, optimizer, CUDA RNG), and ends where a fault-free run on the same
+  GPU does, exactly once;
+- a SIGTERM (preemption) saves the checkpoint from CUDA tensors and the
+  restarted node loads it (``weights_only``) onto the GPU, same end;
+- ``training.parallel = "fsdp2"`` on CUDA through a kill and a restart;
+- in-process recovery aborts the NCCL communicator
+  (``_abort_process_group``), re-forms the group on the same GPU and redoes
+  the failed step: same end as a run without the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from chaos_runs import PACED, PACED_MLP, UNPACED, assert_ends_like_reference, run_chaos
+
+from elastic_train.local.cluster import MAIN_SCRIPT
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)"),
+]
+
+STEPS = 30
+ARGS = [*PACED_MLP, f"--training.steps={STEPS}"]
+ONE_NODE = ["--nodes", "1", "--min-nodes", "1"]
+
+
+def _worker_events(run_dir: Path, event: str) -> list[dict]:
+    """The JSON log lines named ``event`` that the run's processes wrote."""
+    found = []
+    for path in run_dir.rglob("*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if f'"{event}"' in line and line.lstrip().startswith("{"):
+                try:
+                    found.append(json.loads(line))
+                except ValueError:
+                    continue
+    return found
+
+
+def _assert_on_the_gpu(run_dir: Path) -> None:
+    groups = _worker_events(run_dir, "process_group_ready")
+    assert groups, "no process_group_ready in the run's logs"
+    assert {(g["backend"], g["device"]) for g in groups} == {("nccl", "cuda:0")}, groups
+
+
+def _assert_resumed_once_exactly(summary: dict, *, source: set[str]) -> None:
+    assert summary["completed"], summary
+    assert summary["final_step"] == STEPS
+    assert summary["exactly_once"], summary["exactly_once_detail"]
+    resumed = [r for r in summary["recoveries"] if r["restore_source"] is not None]
+    assert resumed, summary["recoveries"]
+    assert {r["restore_source"] for r in resumed} <= source, summary["recoveries"]
+    # The whole job went down: the newest of the snapshot and the disk
+    # checkpoint (every 4 steps) wins.
+    assert all(0 <= r["lost_steps"] <= 4 for r in resumed), summary["recoveries"]
+
+
+@pytest.mark.parametrize(
+    ("chaos", "source"),
+    [
+        ("kill:0@step10,join:0@step10", {"snapshot", "disk"}),
+        ("term:0@step10,join:0@step10", {"disk"}),
+    ],
+    ids=["kill-snapshot", "sigterm-checkpoint"],
+)
+def test_one_gpu_node_restarted_resumes_and_ends_like_a_fault_free_run(
+    tmp_path: Path, chaos: str, source: set[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    summary = run_chaos(run_dir, [*ONE_NODE, "--chaos", chaos], *ARGS, PACED)
+    _assert_on_the_gpu(run_dir)
+    _assert_resumed_once_exactly(summary, source=source)
+    reference = [sys.executable, str(MAIN_SCRIPT), *ARGS, UNPACED]
+    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)
+
+
+def test_fsdp2_on_one_gpu_through_a_kill_ends_like_a_fault_free_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "--training.parallel=fsdp2"]
+    summary = run_chaos(run_dir, [*ONE_NODE, "--chaos", "kill:0@step10,join:0@step10"],
+                        *args, PACED)  # fmt: skip
+    _assert_on_the_gpu(run_dir)
+    _assert_resumed_once_exactly(summary, source={"snapshot", "disk"})
+    reference = [sys.executable, str(MAIN_SCRIPT), *args, UNPACED]
+    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)
+
+
+def test_inprocess_recovery_aborts_the_nccl_group_and_redoes_the_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    model = "--model.name=tests.failing_model:fails_once_mlp"
+    inprocess = ["--elastic.recovery=inprocess", "--elastic.pg_timeout_seconds=30"]
+    summary = run_chaos(run_dir, ONE_NODE, *ARGS, model, *inprocess,
+                        "--model.options.fail_at_call=10")  # fmt: skip
+    _assert_on_the_gpu(run_dir)
+    assert summary["completed"], summary
+    assert summary["final_step"] == STEPS
+    assert summary["exactly_once"], summary["exactly_once_detail"]
+    assert not _worker_events(run_dir, "process_group_abort_failed")
+    (recovered,) = _worker_events(run_dir, "inprocess_recovered")
+    assert recovered["world_size"] == 1 and recovered["lost_steps"] == 1, recovered
+    # One worker process did it all: its one audit file has the in-process resume.
+    (audit,) = (run_dir / "audit").glob("worker-*.jsonl")
+    sources = [json.loads(line).get("source") for line in audit.read_text().splitlines()
+               if json.loads(line).get("kind") == "resume"]  # fmt: skip
+    assert sources[1:] == ["inprocess"], sources
+    # The standalone reference cannot recover in-process (no etcd): it never fails.
+    reference = [sys.executable, str(MAIN_SCRIPT), *ARGS, model, "--model.options.fail_at_call=0"]
+    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+def test_examples_on_one_gpu_through_a_kill_run_exactly_once(tmp_path: Path, name: str) -> None:
+    """GPT-2 under FSDP2 (disk checkpoints through torch.distributed.checkpoint) and
+    ResNet-18 in bf16 autocast with pinned DataLoader workers, on CUDA."""
+    pytest.importorskip("transformers" if name == "gpt2" else "torchvision")
+    run_dir = tmp_path / "run"
+    config = Path(__file__).resolve().parents[1] / "examples" / name / "local.toml"
+    summary = run_chaos(run_dir, [*ONE_NODE, "--chaos", "kill:0@step12,join:0@step12"],
+                        "--config", str(config), "--training.epochs=2")  # fmt: skip
+    _assert_on_the_gpu(run_dir)
+    assert summary["completed"], summary
+    assert summary["exactly_once"], summary["exactly_once_detail"]
+    assert [r["kind"] for r in summary["recoveries"]] == ["kill", "join"], summary["recoveries"]
+
+
+def test_compiled_on_one_gpu_through_a_kill_ends_like_an_uncompiled_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    summary = run_chaos(run_dir, [*ONE_NODE, "--chaos", "kill:0@step10,join:0@step10"],
+                        *ARGS, PACED, "--training.compile=true")  # fmt: skip
+    _assert_on_the_gpu(run_dir)
+    assert len(_worker_events(run_dir, "compile_enabled")) >= 2  # the start and the restart
+    _assert_resumed_once_exactly(summary, source={"snapshot", "disk"})
+    reference = [sys.executable, str(MAIN_SCRIPT), *ARGS, UNPACED]
+    # Inductor's fused kernels change the summation order only.
+    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path, atol=1e-4)
