@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 from elastic_train.etcd.codec import ValueCodec
 from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
 from elastic_train.rendezvous.joins import fold
-from elastic_train.rendezvous.liveness import BEAT_BUDGET, Liveness, beat_period, node_name
+from elastic_train.rendezvous.liveness import node_name
 
 
 @pytest.fixture(autouse=True)
@@ -161,31 +161,3 @@ def test_agents_read_the_folders_heartbeat_digest_and_refuse_a_forged_one(
     assert ("etcd_value_rejected", digest.decode()) in {(e["event"], e.get("key")) for e in logs}
     keys.client.revoke_lease(lease)  # the folder is gone: the digest goes with its lease
     assert keys.client.get(digest)[0] is None
-
-
-class _NoReads:
-    """Heartbeat keys nobody wrote: a node shows life only through the state."""
-
-    def beat(self, node: str) -> None: ...
-
-    def heartbeats(self) -> dict[str, float]:
-        return {}
-
-
-def test_a_large_round_beats_less_often_and_its_nodes_expire_later() -> None:
-    # The job's heartbeats are bounded (BEAT_BUDGET a second): 512 nodes beat every
-    # 4 s and expire after 3 x 4 s, where 3 nodes keep the 0.1 s x 3 of the settings.
-    assert beat_period(0.1, 3) == 0.1 and beat_period(1.0, 128) == 1.0
-    assert beat_period(1.0, 512) == 512 / BEAT_BUDGET == 4.0
-
-    def state_of(count: int) -> _RendezvousState:
-        state = _RendezvousState()
-        state.last_heartbeats = {_NodeDesc("n", i, 0): i for i in range(count)}
-        return state
-
-    small, large = state_of(3), state_of(512)
-    judges = [Liveness(expiry=0.3, interval=0.1, keys=_NoReads()) for _ in range(2)]
-    assert judges[0].dead(small, idle=False) == [] and judges[1].dead(large, idle=False) == []
-    time.sleep(0.5)  # the time under test: over the small expiry, far under the large one
-    assert len(judges[0].dead(small, idle=False)) == 3
-    assert judges[1].dead(large, idle=False) == []

@@ -121,13 +121,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         backend: EtcdV3RendezvousBackend,
         batched_joins: bool = True,
     ) -> None:
+        state_holder = WatchedStateHolder(backend, settings, heartbeats=backend)
+        super().__init__(node, settings, backend.name, store, state_holder)
         # A silent folder loses the leader key after the time a silent node is pruned in.
         expiry = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
         keys = backend.join_keys(lease_ttl=max(2, math.ceil(expiry))) if batched_joins else None
-        state_holder = WatchedStateHolder(
-            backend, settings, heartbeats=backend, judge_forming=keys is None
-        )
-        super().__init__(node, settings, backend.name, store, state_holder)
         self._requester = None if keys is None else JoinRequester(keys, node, store=backend)
         self._folder: JoinFolder | None = None
         executor = FastOpExecutor(
@@ -164,7 +162,6 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._joined_round = None
-        self._op_executor.exit_done = False  # a retry below keeps the node's place
         join_s = self.settings.timeout.join.total_seconds()
         deadline = time.monotonic() + join_s
         while True:
@@ -199,12 +196,12 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 publish_beats=lambda lease: self._etcd_backend.publish_beats(lease=lease),
             )
 
-    def _offer_to_lead(self, token: int) -> None:
+    def _offer_to_lead(self) -> None:
         folder = self._folder
         if folder is None:
             return
         try:
-            folder.offer_to_lead(token)
+            folder.offer_to_lead()
         except EtcdError as exc:  # best effort: the next offer, or another agent, leads
             log.warning("rendezvous_join_folder_error", error=str(exc))
 
@@ -221,11 +218,6 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def _keep_alive(self) -> None:
         """torch's heartbeat timer calls this every ``keep_alive_interval``; rule 2 decides."""
         with self._heartbeat_lock:
-            holder = self._watched_holder
-            if self._etcd_backend.unchanged_since(holder.token) and holder.still_idle():
-                # Training runs and nobody waits: re-reading the same K-node state each
-                # second was, at K = 512, 512 unpickles a second on the 2-core box.
-                return
             deadline = self._get_deadline(self._settings.timeout.heartbeat)
             try:
                 beat_due = self._state_holder.beat_due

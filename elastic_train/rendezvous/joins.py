@@ -56,7 +56,7 @@ from elastic_train.errors import EtcdError, EtcdValueRejectedError
 from elastic_train.etcd.client import EtcdClient, KeyValue, LeaseExpiredError
 from elastic_train.etcd.codec import ValueCodec
 from elastic_train.log import get_logger
-from elastic_train.rendezvous.liveness import beat_period, node_name
+from elastic_train.rendezvous.liveness import node_name
 
 __all__ = [
     "JOIN_ACTIONS",
@@ -90,8 +90,7 @@ class JoinKeys:
     codec: ValueCodec
     requests: bytes  # prefix: {run}/joins/
     leader: bytes  # {run}/leader
-    lease_ttl: int  # seconds a silent folder keeps the leader key (up to BEAT_BUDGET nodes)
-    beats: bytes = b""  # prefix of the heartbeat keys: with the requests, how many nodes
+    lease_ttl: int  # seconds a silent folder keeps the leader key
 
 
 def _request_key(keys: JoinKeys, node: _NodeDesc) -> bytes:
@@ -118,23 +117,17 @@ class JoinRequester:
         self._key = _request_key(keys, node)
         self._store = store
         self._posted_at: int | None = None  # state revision seen when the request was posted
-        self._checked_at = -math.inf  # monotonic: when the key was last posted or looked up
 
     def request(self, state: _RendezvousState, *, token: int) -> None:
         """Make sure a request is pending while the state (at revision ``token``) lacks us.
 
         Posted once; re-posted only if the state changed since and our key is gone
-        (consumed by a fold that could not add us, or dropped as stale). The key is
-        looked up at most every ``lease_ttl / 2``, not at every change: K pending
-        agents each reading their key at each fold was K reads a fold.
+        (consumed by a fold that could not add us, or dropped as stale).
         """
-        now = time.monotonic()
         if self._posted_at is not None:
             if token == self._posted_at:
                 return  # nothing changed since we asked: still pending
-            if now - self._checked_at < self._keys.lease_ttl / 2:
-                return  # looked recently; the next wake looks again
-            self._posted_at, self._checked_at = token, now
+            self._posted_at = token
             if self._store.exists(self._key):
                 return
         payload = {
@@ -145,7 +138,7 @@ class JoinRequester:
         }
         value = self._keys.codec.encode(self._key, json.dumps(payload).encode())
         self._store.put_leased(self._key, value)
-        self._posted_at, self._checked_at = token, now
+        self._posted_at = token
 
     def withdraw(self) -> None:
         """Delete our request, if we posted one (the join loop ended)."""
@@ -225,23 +218,19 @@ class JoinFolder:
         fold_batch: Callable[[], int | None],
         wake_every: float = 0.5,
         wake_in: Callable[[], float] = lambda: math.inf,
-        publish_beats: Callable[[int], int] = lambda lease: 0,
+        publish_beats: Callable[[int], None] = lambda lease: None,
     ) -> None:
         self._publish_beats = publish_beats
         self._published = -math.inf
-        self._publish_every = wake_every
         self._wake_in = wake_in
         self._keys = keys
         self._name = node_name(node).encode()
         self._fold_batch = fold_batch
         self._wake_every = wake_every
         self._lease = 0
-        self._ttl = keys.lease_ttl  # of the leader lease granted last
         self._leading = False
         self._renewed = 0.0
         self._offered = -math.inf
-        self._token = -1  # the state revision last seen by offer_to_lead
-        self._moved = -math.inf  # monotonic: when that revision changed
         self._lock = threading.Lock()
         self._stopped = threading.Event()
 
@@ -249,24 +238,13 @@ class JoinFolder:
     def leading(self) -> bool:
         return self._leading
 
-    def offer_to_lead(self, token: int = 0) -> None:
-        """Take the leader key if it is free (rate-limited): start folding if so.
-
-        ``token``: the state revision this agent sees. While it moves, a folder is at
-        work, and the key is looked at only every ``2 x lease_ttl`` (a safety net);
-        once the state has been still for ``lease_ttl / 2`` with our request pending,
-        every ``lease_ttl / 2``. At K = 512 every pending agent reading the leader
-        key every 1.5 s was 340 reads a second.
-        """
+    def offer_to_lead(self) -> None:
+        """Take the leader key if it is free (rate-limited): start folding if so."""
         with self._lock:
             now = time.monotonic()
             if self._leading or self._stopped.is_set():
                 return
-            if token != self._token:
-                self._token, self._moved = token, now if self._token >= 0 else -math.inf
-            quiet = now - self._moved >= self._keys.lease_ttl / 2
-            every = self._keys.lease_ttl / 2 if quiet else 2 * self._keys.lease_ttl
-            if now - self._offered < every:
+            if now - self._offered < self._keys.lease_ttl / 2:
                 return
             self._offered = now
             if self._keys.client.get(self._keys.leader)[0] is not None or not self._take():
@@ -311,19 +289,16 @@ class JoinFolder:
         keys itself, twice per interval: K x K reads, which at K = 256 starved the
         simulator into pruning live nodes. With it each reads one key.
         """
-        if time.monotonic() - self._published < self._publish_every:
+        if time.monotonic() - self._published < self._wake_every:
             return
         self._published = time.monotonic()
         with self._lock:
             lease = self._lease
         if lease:
-            nodes = self._publish_beats(lease)
-            # Twice per heartbeat period, which grows with the nodes (liveness.BEAT_BUDGET):
-            # reading K keys twice a second was most of a starved folder's work at K = 512.
-            self._publish_every = beat_period(2 * self._wake_every, nodes) / 2
+            self._publish_beats(lease)
 
     def _renew(self) -> None:
-        if time.monotonic() - self._renewed >= self._ttl / 3:
+        if time.monotonic() - self._renewed >= self._keys.lease_ttl / 3:
             with self._lock:
                 lease = self._lease
             alive = bool(lease) and self._keys.client.refresh_lease(lease) > 0
@@ -338,29 +313,14 @@ class JoinFolder:
             if revision is not None:
                 return revision
             self._stopped.wait(random.uniform(0, 0.01))  # lost to another writer: re-read
-            self._renew()  # on a starved box a run of lost writes outlasts the lease:
-            if not self._leading:  # then another agent leads, and two folders only conflict
-                return None
         return None
-
-    def _leader_ttl(self) -> int:
-        """``lease_ttl``, scaled like the heartbeat expiry with the nodes of the job.
-
-        At K = 512 one fold cycle (a 400-node state, the digest of 400 keys) took
-        longer than 3 s on the 2-core box, the folder lost its lease every few
-        seconds, and the round never formed (18 folders in 60 s).
-        """
-        prefixes = [p for p in (self._keys.requests, self._keys.beats) if p]
-        nodes = sum(self._keys.client.get_prefix(p, count_only=True)[1] for p in prefixes)
-        return math.ceil(self._keys.lease_ttl * beat_period(1.0, nodes))
 
     def _take(self) -> bool:
         key = self._keys.leader
         value = self._keys.codec.encode(key, self._name)
         for _ in range(2):
             if not self._lease:
-                self._ttl = self._leader_ttl()
-                self._lease = self._keys.client.grant_lease(self._ttl)
+                self._lease = self._keys.client.grant_lease(self._keys.lease_ttl)
             try:
                 written, _, _ = self._keys.client.put_if_value(
                     key, value, expected=None, lease=self._lease

@@ -177,7 +177,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             requests=self._joins_prefix,
             leader=self._leader_key,
             lease_ttl=lease_ttl,
-            beats=self._beats_prefix,
         )
 
     def put_leased(self, key: bytes, value: bytes) -> None:
@@ -249,16 +248,13 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         join folder's digest while one publishes it, else from every node's key.
         """
         counts = self._digest_counts()
-        from_keys = counts is None
         if counts is None:
             counts = self.heartbeat_counts()
         now = time.monotonic()
         seen: dict[str, tuple[int, float]] = {}
         for name, count in counts.items():
             before = self._beats_seen.get(name)
-            # A digest may lag the keys read before it (written every interval / 2):
-            # only a key's own value going back is a replay worth a warning.
-            if before is not None and count < before[0] and from_keys:
+            if before is not None and count < before[0]:
                 key = (self._beats_prefix + name.encode()).decode(errors="replace")
                 log.warning("rendezvous_heartbeat_replayed", key=key)
             newer = before is None or count > before[0]
@@ -278,15 +274,13 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             counts[kv.key[len(self._beats_prefix) :].decode(errors="replace")] = count
         return counts
 
-    def publish_beats(self, *, lease: int) -> int:
-        """Write the digest of every counter (the join folder, under its leader lease);
-        how many nodes it holds."""
+    def publish_beats(self, *, lease: int) -> None:
+        """Write the digest of every counter (the join folder, under its leader lease)."""
         if not self._digest_key:
-            return 0
-        counts = self.heartbeat_counts()
-        value = self._codec.encode(self._digest_key, json.dumps(counts).encode())
+            return
+        payload = json.dumps(self.heartbeat_counts()).encode()
+        value = self._codec.encode(self._digest_key, payload)
         self._etcd(lambda: self._client.put(self._digest_key, value, lease=lease))
-        return len(counts)
 
     def _digest_counts(self) -> dict[str, int] | None:
         if not self._digest_key:

@@ -31,19 +31,7 @@ from typing import Protocol
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-__all__ = ["BEAT_BUDGET", "HeartbeatKeys", "Liveness", "beat_period", "node_name"]
-
-#: Heartbeats a second that all nodes of one rendezvous send together, at most: a
-#: round of more nodes than this beats every ``nodes / BEAT_BUDGET`` seconds instead
-#: of every ``keep_alive_interval`` (and is pruned after that times the attempts).
-#: At K = 512 the 512 puts a second were most of what etcd did while the round formed,
-#: and held it back. K <= 128 at a 1 s interval is torch's rule unchanged.
-BEAT_BUDGET = 128
-
-
-def beat_period(interval: float, nodes: int) -> float:
-    """Seconds between a node's heartbeats in a rendezvous of ``nodes`` nodes."""
-    return max(interval, nodes / BEAT_BUDGET)
+__all__ = ["HeartbeatKeys", "Liveness", "node_name"]
 
 
 class HeartbeatKeys(Protocol):
@@ -78,10 +66,6 @@ class Liveness:
         self._in_state: dict[_NodeDesc, tuple[object, float]] = {}  # value seen, first seen
         self._in_keys: dict[str, float] = {}
         self._keys_read_at = -math.inf
-        self._first_read_at: float | None = None
-        # The participants of the last idle round seen, and when it was last seen idle.
-        self._idle_nodes: frozenset[_NodeDesc] = frozenset()
-        self._idle_at = -math.inf
         # The join folder prunes the states it folds from its own thread.
         self._lock = threading.Lock()
 
@@ -101,49 +85,16 @@ class Liveness:
         with self._lock:
             return self._dead(state, idle=idle)
 
-    def observe(self, state: _RendezvousState) -> None:
-        """Note the state's signs of life without judging anyone (no request to etcd).
-
-        A round that forms is judged by its join folder alone: with every agent also
-        reading the folder's digest twice per interval, K agents read K x K counters
-        a second (at K = 512, 20 MB/s in the simulator), and each pruned what its
-        own late reads made look dead.
-        """
-        with self._lock:
-            self._observe(state, idle=False, now=time.monotonic())
-
-    def still_idle(self) -> None:
-        """The idle round last observed is still idle (its key has not changed): its
-        participants rest until now, without re-reading the state."""
-        with self._lock:
-            self._idle_at = time.monotonic()
-
-    def unprimed_for(self) -> float:
-        """Seconds until this agent has read the heartbeat keys for one ``expiry``, starting
-        now if it never has: before that it cannot tell a dead node from one it just met."""
-        with self._lock:
-            now = time.monotonic()
-            if self._first_read_at is None:
-                self._read_keys(now)
-            return max(0.0, self._first_read_at + self._expiry - now)  # type: ignore[operator]
-
-    def _read_keys(self, now: float) -> None:
-        for name, at in self._keys.heartbeats().items():
-            self._in_keys[name] = max(at, self._in_keys.get(name, -math.inf))
-        self._keys_read_at = now
-        if self._first_read_at is None:
-            self._first_read_at = now
-
     def _dead(self, state: _RendezvousState, *, idle: bool) -> list[_NodeDesc]:
         now = time.monotonic()
         self._observe(state, idle=idle, now=now)
         nodes = list(state.last_heartbeats)
-        interval = beat_period(self._interval, len(nodes))  # what the nodes beat at now
-        expiry = self._expiry * interval / self._interval
-        closing = any(self._age(node, now) >= expiry - interval for node in nodes)
-        if closing and now - self._keys_read_at >= interval / 2:
-            self._read_keys(now)
-        return [node for node in nodes if self._age(node, now) > expiry]
+        closing = any(self._age(node, now) >= self._expiry - self._interval for node in nodes)
+        if closing and now - self._keys_read_at >= self._interval / 2:
+            for name, at in self._keys.heartbeats().items():
+                self._in_keys[name] = max(at, self._in_keys.get(name, -math.inf))
+                self._keys_read_at = now
+        return [node for node in nodes if self._age(node, now) > self._expiry]
 
     def _observe(self, state: _RendezvousState, *, idle: bool, now: float) -> None:
         seen: dict[_NodeDesc, tuple[object, float]] = {}
@@ -155,13 +106,9 @@ class Liveness:
             else:
                 seen[node] = before
         self._in_state = seen
-        if idle:
-            self._idle_nodes, self._idle_at = frozenset(state.participants), now
         names = {node_name(node) for node in seen}
         self._in_keys = {name: at for name, at in self._in_keys.items() if name in names}
 
     def _age(self, node: _NodeDesc, now: float) -> float:
         last = max(self._in_state[node][1], self._in_keys.get(node_name(node), -math.inf))
-        if node in self._idle_nodes:
-            last = max(last, self._idle_at)
         return now - last

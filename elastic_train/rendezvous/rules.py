@@ -73,13 +73,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
     _remove_participant_epilogue,
     _RendezvousContext,
-    _RendezvousExitOp,
     _RendezvousState,
 )
 
 from elastic_train.log import get_logger
 from elastic_train.rendezvous.joins import JOIN_ACTIONS, JoinRequester
-from elastic_train.rendezvous.liveness import HeartbeatKeys, Liveness, beat_period, node_name
+from elastic_train.rendezvous.liveness import HeartbeatKeys, Liveness, node_name
 
 __all__ = [
     "ChangeWaiter",
@@ -178,16 +177,9 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
     (:class:`~elastic_train.rendezvous.liveness.Liveness`, rules 2 and 3)."""
 
     def __init__(
-        self,
-        backend: RendezvousBackend,
-        settings: RendezvousSettings,
-        *,
-        heartbeats: HeartbeatKeys,
-        judge_forming: bool = True,
+        self, backend: RendezvousBackend, settings: RendezvousSettings, *, heartbeats: HeartbeatKeys
     ) -> None:
         super().__init__(backend, settings, cache_duration=0)
-        # False with batched joins: the join folder judges a forming round, not every agent.
-        self._judge_forming = judge_forming
         interval = settings.keep_alive_interval.total_seconds()
         self._liveness = Liveness(
             expiry=interval * settings.keep_alive_max_attempt, interval=interval, keys=heartbeats
@@ -208,37 +200,16 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
         """The mod_revision of the state last read or written (0: none yet)."""
         return self._token if isinstance(self._token, int) else 0
 
-    def prune(self, state: _RendezvousState) -> bool:
-        """Remove from ``state`` (read by the join folder) the nodes this agent judges dead;
-        whether there were any."""
+    def prune(self, state: _RendezvousState) -> None:
+        """Remove from ``state`` (read by the join folder) the nodes this agent judges dead."""
         idle = state.complete and not awaited(state)
-        dead = self._liveness.dead(state, idle=idle)
-        _remove_nodes(state, dead, self._settings)
-        return bool(dead)
-
-    def still_idle(self) -> bool:
-        """If the state last read is an idle round, note that it still is (its key has
-        not changed since) and return True: then there is nothing to beat or judge."""
-        state = self._state
-        if not (state.complete and not awaited(state)):
-            return False
-        self._liveness.still_idle()
-        return True
-
-    def unprimed_for(self) -> float:
-        """Seconds until this agent can judge who is dead (it starts reading if it never did)."""
-        return self._liveness.unprimed_for()
+        _remove_nodes(state, self._liveness.dead(state, idle=idle), self._settings)
 
     def beat_due(self, node: _NodeDesc) -> bool:
         """Whether ``node`` (this agent's) last beat a keep-alive interval ago or never,
         on this agent's monotonic clock."""
         last = self._own_beat_at.get(node, -math.inf)
-        return time.monotonic() - last >= self.beat_period()
-
-    def beat_period(self) -> float:
-        """Seconds between this node's heartbeats in the current state (bounded job rate)."""
-        interval = self._settings.keep_alive_interval.total_seconds()
-        return beat_period(interval, len(self._state.last_heartbeats))
+        return time.monotonic() - last >= self._settings.keep_alive_interval.total_seconds()
 
     def beat(self, node: _NodeDesc) -> None:
         """Rule 3: ``node``'s heartbeat goes to its own key; the state is not written."""
@@ -252,23 +223,12 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
         if self._own_beat is not None and self._own_beat[0] in state.last_heartbeats:
             node, when = self._own_beat
             state.last_heartbeats[node] = max(state.last_heartbeats[node], when)
-        if not (state.complete or self._judge_forming):
-            # Batched joins: the folder prunes the forming round it folds; here only
-            # the signs of life are noted, for when this agent must judge itself.
-            self._liveness.observe(state)
-            self._dead_nodes = []
-            return
         idle = state.complete and not awaited(state)
         self._dead_nodes = self._liveness.dead(state, idle=idle)
         if state.round != self._reported_round:
             self._reported_round, self._reported_dead = state.round, set()
-        fresh = sorted(node_name(node) for node in set(self._dead_nodes) - self._reported_dead)
-        if fresh:
-            # One line per sync, not per node: at K = 512 every agent logging each
-            # pruned node was 37 000 lines a round and most of the simulator's CPU.
-            log.info(
-                "rendezvous_nodes_pruned", count=len(fresh), nodes=fresh[:8], round=state.round
-            )
+        for node in set(self._dead_nodes) - self._reported_dead:
+            log.info("rendezvous_node_pruned", node=node_name(node), round=state.round)
         self._reported_dead |= set(self._dead_nodes)
         _remove_nodes(state, self._dead_nodes, self._settings)
 
@@ -298,7 +258,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         *,
         changes: ChangeWaiter | None,
         joins: JoinRequester | None = None,
-        offer_to_lead: Callable[[int], None] = lambda token: None,
+        offer_to_lead: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(node, state_holder, settings)
         self._holder = state_holder
@@ -306,8 +266,6 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         self._joins = joins  # None: torch's way, every node writes its own join
         self._offer_to_lead = offer_to_lead
         self._deferred = False
-        #: The exit step of this ``next_rendezvous`` is done (reset by the handler).
-        self.exit_done = False
 
     def apply_for(self, node: _NodeDesc, state: _RendezvousState, action: _Action) -> None:
         """Apply torch's ``action`` for ``node`` (not this agent) to ``state``: the join fold."""
@@ -330,13 +288,6 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         deadline: float,
         update_deadline: Callable[[timedelta], float] | None = None,
     ) -> None:
-        exiting = isinstance(state_handler, _RendezvousExitOp)
-        if exiting and self.exit_done:
-            # A retry after an etcd outage: this node already left its old round and
-            # may be in the one forming; leaving that would rewrite the state under
-            # every agent (and the folder's batch), and at K = 512 these writes, one
-            # per agent whose request timed out, kept the fold from ever landing.
-            return
         action = None
         conflicts = 0
         self._deferred = False
@@ -358,10 +309,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError
             if action == _Action.KEEP_ALIVE and self._node in self._state.last_heartbeats:
-                if self._holder.beat_due(self._node):
-                    self._holder.beat(self._node)  # rule 3
-                else:  # torch's 1 s is due, but a large round beats less often
-                    self._changes.wait_for_change(self._wait_seconds())  # type: ignore[union-attr]
+                self._holder.beat(self._node)  # rule 3
                 continue
             if self._by_folder(action):
                 continue
@@ -375,7 +323,6 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline is not None:
                 deadline = update_deadline(self._settings.timeout.join)
             self._state_holder.mark_dirty()
-        self.exit_done = self.exit_done or exiting
 
     def _by_folder(self, action: _Action) -> bool:
         """Whether ``action`` is left to the join folder (batched joins): a join step is
@@ -385,13 +332,10 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             return False
         if action in JOIN_ACTIONS:
             self._joins.request(self._state, token=self._holder.token)
-            self._offer_to_lead(self._holder.token)
-            if self._node in self._state.last_heartbeats and self._holder.beat_due(self._node):
+            self._offer_to_lead()
+            if self._holder.beat_due(self._node):
                 # torch's node would be in the state with a fresh heartbeat by now;
                 # one that waits for the fold must not look dead meanwhile (rule 3).
-                # A node not in the state yet is judged by nobody: its beat would be
-                # a put per second per agent for nothing (512 a second at K = 512),
-                # and the fold gives it a fresh entry, a full expiry from when seen.
                 self._holder.beat(self._node)
             self._changes.wait_for_change(self._wait_seconds())
             return True
@@ -401,21 +345,6 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             self._deferred = True
             wait = self._settings.keep_alive_interval.total_seconds()
             self._changes.wait_for_change(wait * random.uniform(1.0, 1.2))
-            return True
-        if action == _Action.MARK_RENDEZVOUS_COMPLETE:
-            return self._judge_before_completing()
-        return False
-
-    def _judge_before_completing(self) -> bool:
-        """The folder has not completed the round (it died): judge who is alive, as it
-        would have, before writing the round complete. True: not yet (this agent waits
-        until it can judge, or writes the pruned state and decides again)."""
-        wait = self._holder.unprimed_for()
-        if wait > 0:
-            self._changes.wait_for_change(wait)  # type: ignore[union-attr]
-            return True
-        if self._holder.prune(self._state):
-            self._state_holder.mark_dirty()  # the next sync writes it
             return True
         return False
 
@@ -439,8 +368,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         wait = _MAX_WAIT
         beat = self._state.last_heartbeats.get(self._node)
         if beat is not None:
-            period = timedelta(seconds=self._holder.beat_period())
-            wait = min(wait, (beat + period - now).total_seconds())
+            wait = min(wait, (beat + self._settings.keep_alive_interval - now).total_seconds())
         if self._state.deadline is not None and self._node in self._state.participants:
             wait = min(wait, (self._state.deadline - now).total_seconds())
         return max(wait, 0.0) + 0.005  # just past the instant, so the next check passes
