@@ -267,7 +267,9 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(tmp_path: Pat
             f'max(elastic_train_restarts_total{{job="{JOB}",node="node0"}})', start=start, end=end
         )
         values = [float(v) for _, v in restarts[0]["values"]]
-        assert values[0] == 0 and values[-1] >= 2  # the kill, then the join
+        # The kill, then the join, each counted. The first scrape may already see a
+        # restart: a node that reached the first rendezvous late joins by a restart.
+        assert values[-1] >= values[0] + 2, values
         world = prom.query_range(f'max(elastic_train_world_size{{job="{JOB}"}})', start=start,
                                  end=end)  # fmt: skip
         sizes = [float(v) for _, v in world[0]["values"]]

@@ -82,14 +82,19 @@ def test_the_plotted_series_hold_the_kill_its_recovery_and_the_world_size_change
 
     before = [p for p in timeline.points if p.seconds < event.seconds]
     after = [p for p in timeline.points if p.seconds > event.seconds]
+    resized = [p for p in after if p.world_size == 1]
     assert before and {p.world_size for p in before} == {2}
-    assert after and {p.world_size for p in after} == {1}
-    # The first step after the kill is the recovery's end, as the summary measured it.
-    assert after[0].seconds == pytest.approx(event.seconds + recovery.seconds)
+    # The event's time is taken just before the SIGKILL lands: steps that both
+    # nodes finished meanwhile (tens of ms each here) may follow it, within the
+    # delivery; from the first step at world size 1 on, every step is at 1.
+    assert all(p.seconds < event.seconds + 1.0 for p in after if p.world_size == 2), after
+    assert resized and after[-len(resized) :] == resized
+    # The first step at the smaller world is the recovery's end, as the summary measured it.
+    assert resized[0].seconds == pytest.approx(event.seconds + recovery.seconds)
     assert timeline.points[-1].step == STEPS
     assert all(0 < p.seconds <= killed_run.wall_seconds for p in timeline.points)
     assert all(math.isfinite(p.loss) for p in timeline.points)
-    rates = [p.steps_per_second for p in after[1:]]
+    rates = [p.steps_per_second for p in resized[1:]]
     assert rates and all(r is not None and r > 0 for r in rates)
 
 

@@ -371,7 +371,8 @@ def finish(t: Trainer) -> TrainResult:
             "world_size": t.ctx.world_size, "attempt": t.attempt, "dataset_len": len(t.data),
         }  # fmt: skip
         write_result(t.cfg.logging.audit_dir, result=summary, params=t.model.state_dict())
-    release_after_shrink(t.inprocess.membership if t.inprocess else None)  # exit barrier
+    if t.ctx.is_main and t.inprocess is not None:  # torchrun's exit barrier after a shrink
+        release_after_shrink(t.inprocess.membership)
     return result
 
 
