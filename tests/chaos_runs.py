@@ -80,14 +80,22 @@ def assert_ends_like_reference(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = torch.load(tmp_path / "audit" / "final_params.pt", weights_only=True)
+    result = json.loads((tmp_path / "audit" / "result.json").read_text())
+    assert_same_end(summary, run_dir, expected, result["final_loss"], atol=atol)
+
+
+def assert_same_end(
+    summary: dict, run_dir: Path, expected: dict[str, torch.Tensor], loss: float,
+    *, atol: float = 1e-5,
+) -> None:  # fmt: skip
+    """The run's final parameters and loss equal the reference's ``expected`` and ``loss``."""
     actual = torch.load(run_dir / "audit" / "final_params.pt", weights_only=True)
     assert expected.keys() == actual.keys()
     for name in expected:
         # Summation order differs between world sizes 1, 2 and 3; a step
         # skipped or repeated on a resize would move the weights by ~1e-3.
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=atol)
-    result = json.loads((tmp_path / "audit" / "result.json").read_text())
-    assert summary["final_loss"] == pytest.approx(result["final_loss"], abs=atol)
+    assert summary["final_loss"] == pytest.approx(loss, abs=atol)
 
 
 def worker_records(run_dir: Path, kind: str) -> list[dict]:
