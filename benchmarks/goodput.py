@@ -111,11 +111,9 @@ class Variant:
 
 
 def recovery_overrides(mode: RecoveryMode) -> tuple[tuple[str, ...], str]:
-    """Our overrides for ``--recovery``, and what was actually run.
-
-    ``elastic.recovery`` is being added by another change; until the key exists
-    the flag is a no-op and the note says so.
-    """
+    """Our overrides for ``--recovery``, and what was actually run: the mode, or the
+    restart path with a note when this build (an older commit being compared) has
+    no ``elastic.recovery`` key."""
     if "recovery" in {f.name for f in dataclasses.fields(ElasticConfig)}:
         return (f"--elastic.recovery={mode}",), mode
     if mode != "restart":
@@ -262,10 +260,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="node counts of the fault-free runs; the fastest is the denominator",
     )
     p.add_argument(
+        "--pace-ms",
+        type=float,
+        default=0.0,
+        help="a sleep per forward in both scripts (benchmarks.workloads' step_seconds)",
+    )
+    p.add_argument(
         "--recovery",
         choices=("restart", "inprocess"),
         default="restart",
-        help="ours' elastic.recovery (a no-op that says so while the key does not exist)",
+        help="ours' elastic.recovery",
     )
     return p.parse_args(argv)
 
@@ -284,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     competitors = harness.select_competitors(args.competitors)
     variants = [Variant(c, faults=False, nodes=n) for n in worlds for c in competitors]
     variants += [Variant(c, faults=True) for c in competitors]
-    workload = Workload(ours_overrides=overrides)
+    workload = Workload(ours_overrides=overrides, step_seconds=args.pace_ms / 1000.0)
     started, host = time.time(), harness.machine()
     tmp = harness.scratch(args.workdir)
     workdir = Path(tmp.name) if tmp else args.workdir
@@ -318,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seed": args.seed,
             "nodes": NODES,
             "recovery_requested": args.recovery,
+            "pace_ms": args.pace_ms,
             "recovery_run": recovery_run,
             "schedule": [dataclasses.asdict(e) for e in events],
             "denominator": "the soak's own quiet segments (the last third of each "

@@ -20,6 +20,10 @@ faster world's rate is the one used, so a dead node's absence is never a gain:
   back with the soaks in the same repetition.
 - ``goodput_full_world``: the separate 3-node run only (the issue's literal
   definition, which credits the missing node on a machine like this one).
+- ``goodput_world_weighted``: useful steps over what a recovery that costs
+  nothing would make, each interval at the quiet rate of the world size the
+  schedule gives it (:func:`world_weighted`); on a machine where the rate does
+  not depend on the world size it equals ``goodput``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ METRICS = (
     "goodput",
     "goodput_separate_run",
     "goodput_full_world",
+    "goodput_world_weighted",
     "useful_steps",
     "useful_steps_per_second",
     "fault_free_steps_per_second",
@@ -52,17 +57,22 @@ METRICS = (
 )
 
 
+def _intervals(
+    run: dict[str, Any], schedule: list[dict[str, Any]]
+) -> list[tuple[float, float, int]]:
+    """(start, end, world size the schedule gives) of each interval between two events."""
+    ends = [e["at_seconds"] for e in schedule] + [run["window_seconds"]]
+    starts = [0.0, *ends[:-1]]
+    worlds = [NODES] + [NODES - 1 if e["kind"] == "kill" else NODES for e in schedule]
+    return list(zip(starts, ends, worlds, strict=True))
+
+
 def quiet_rates(run: dict[str, Any], schedule: list[dict[str, Any]]) -> dict[int, float]:
     """Steps/s per world size over the quiet end of each interval of the soak."""
     bins, width = run["steps_per_bin"], run["bin_seconds"]
-    ends = [e["at_seconds"] for e in schedule] + [run["window_seconds"]]
-    starts = [0.0, *ends[:-1]]
     steps: dict[int, int] = {}
     seconds: dict[int, float] = {}
-    world = NODES
-    for start, end, index in zip(starts, ends, range(len(ends)), strict=True):
-        if index > 0:  # the world after the event that opened this interval
-            world = NODES - 1 if schedule[index - 1]["kind"] == "kill" else NODES
+    for start, end, world in _intervals(run, schedule):
         first = round((end - (end - start) * QUIET_FRACTION) / width)
         last = round(end / width)
         if not all(bins[first:last]):
@@ -70,6 +80,21 @@ def quiet_rates(run: dict[str, Any], schedule: list[dict[str, Any]]) -> dict[int
         steps[world] = steps.get(world, 0) + sum(bins[first:last])
         seconds[world] = seconds.get(world, 0.0) + (last - first) * width
     return {w: steps[w] / seconds[w] for w in steps if seconds[w] > 0}
+
+
+def world_weighted(
+    run: dict[str, Any], schedule: list[dict[str, Any]], quiet: dict[int, float]
+) -> float | None:
+    """Useful steps over the steps of a recovery that costs nothing: every interval at
+    the quiet rate of the world size the schedule gives it (a rejoined node counts
+    from its event on). On fewer cores than workers the rate depends on the world
+    size, which ``goodput``'s single denominator charges to the faults."""
+    expected = 0.0
+    for start, end, world in _intervals(run, schedule):
+        if world not in quiet:
+            return None
+        expected += (end - start) * quiet[world]
+    return harness.ratio(run.get("useful_steps"), expected)
 
 
 def _separate_rates(payload: dict[str, Any], name: str) -> dict[int, dict[int, float]]:
@@ -97,6 +122,7 @@ def score_run(
     run["separate_run_steps_per_second"] = max(separate.values(), default=None)
     run["goodput_separate_run"] = harness.ratio(useful, run["separate_run_steps_per_second"])
     run["goodput_full_world"] = harness.ratio(useful, separate.get(NODES))
+    run["goodput_world_weighted"] = world_weighted(run, schedule, quiet)
 
 
 def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:

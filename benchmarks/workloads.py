@@ -35,6 +35,10 @@ class Workload:
     ckpt_every: int = 25
     #: Extra ``--section.key=value`` overrides for elastic_train only.
     ours_overrides: tuple[str, ...] = ()
+    #: A sleep per forward in both scripts (0: none), so that a step costs wall time
+    #: but little CPU: on fewer cores than workers the step rate then no longer
+    #: depends on the world size, and what a fault costs stands out.
+    step_seconds: float = 0.0
 
 
 def shared_args(workload: Workload) -> list[str]:
@@ -51,8 +55,12 @@ def shared_args(workload: Workload) -> list[str]:
 
 
 def ours_args(workload: Workload) -> list[str]:
+    model = ["--model.name=mlp"]
+    if workload.step_seconds:  # main.py puts the repository root on sys.path
+        model = ["--model.name=tests.paced_model:paced_mlp",
+                 f"--model.options.seconds={workload.step_seconds}"]  # fmt: skip
     return [
-        "--model.name=mlp",
+        *model,
         "--model.loss=cross_entropy",
         "--data.name=synthetic",
         *shared_args(workload),
@@ -63,6 +71,7 @@ def ours_args(workload: Workload) -> list[str]:
 def plain_args(workload: Workload) -> list[str]:
     return [
         *shared_args(workload),
+        *([f"--pace-seconds={workload.step_seconds}"] if workload.step_seconds else []),
         f"--checkpoint.interval_steps={workload.ckpt_every}",
         "--checkpoint.dir={checkpoint_dir}",
         "--logging.audit_dir={audit_dir}",

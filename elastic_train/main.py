@@ -61,6 +61,7 @@ from elastic_train.log import (
     get_logger,
     json_for_format,
 )
+from elastic_train.training.admission import joining
 from elastic_train.training.distributed import (
     WorkerEnv,
     init_distributed,
@@ -109,7 +110,9 @@ def train_worker(
     try:
         # Model, data and loss are checked before this worker joins any group.
         prepared = prepare(cfg, worker_device(env, cfg.elastic), parts)
-        trainer = build(cfg, init_distributed(env, cfg.elastic), prepared=prepared)
+        ticket = joining(cfg.elastic.recovery)  # a side round's worker: an async join
+        ctx = init_distributed(env, cfg.elastic)
+        trainer = build(cfg, ctx, prepared=prepared, joining=ticket is not None)
         return train(trainer)
     except (ConfigError, CheckpointMismatchError) as exc:
         log.error("config_error", error=str(exc))

@@ -11,7 +11,9 @@ joins them; nothing below this module knows the others:
 
 It also tells the workers how to reach the job's etcd and, at every round,
 where that round's store is (:func:`inprocess_etcd_env`, :func:`export_rounds`:
-``elastic.recovery = "inprocess"``).
+``elastic.recovery = "inprocess"``), and gives a node entering a job whose
+in-process group runs a side round of its own
+(:mod:`elastic_train.rendezvous.side_round`).
 
 Heavy imports happen inside the functions: torch loads these entry points
 while its rendezvous package is still importing, so this module must load
@@ -78,12 +80,14 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     from elastic_train.agent.node_agent import RDZV_CONF_KEYS, AgentSettings, NodeAgent
     from elastic_train.log import get_logger
-    from elastic_train.rendezvous import backend
+    from elastic_train.rendezvous import backend, side_round
 
     settings = AgentSettings.from_params(params)
     handler = backend.create_handler(params, extra_keys=RDZV_CONF_KEYS)
     os.environ[INPROCESS_ETCD_ENV] = inprocess_etcd_env(params)
     export_rounds(handler, params)
+    # Outermost: a side round is no round of the rendezvous, so it exports none.
+    side_round.attach_side_rounds(handler, max_nodes=params.max_nodes)
     agent = NodeAgent(settings, run_id=params.run_id, argv=sys.argv)
     agent.start(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
     if params.backend == "etcd":
@@ -112,7 +116,7 @@ def inprocess_etcd_env(params: RendezvousParameters) -> str:
         "protocol": client.protocol, "cacert": client.cacert, "cert": client.cert,
         "key": client.key, "username": client.username,
         "secret_file": params.get("secret_file"), "insecure": config.insecure,
-        "min_nodes": params.min_nodes,
+        "min_nodes": params.min_nodes, "max_nodes": params.max_nodes,
     })  # fmt: skip
 
 

@@ -56,10 +56,8 @@ def assert_completed_exactly_once(summary: dict, *, steps: int) -> None:
     assert summary["completed"], summary
     assert summary["final_step"] == steps
     assert summary["exactly_once"], summary["exactly_once_detail"]
-    assert [(r["kind"], r["node"], r["world_size_after"]) for r in summary["recoveries"]] == [
-        ("kill", 1, 2),
-        ("join", 1, 3),
-    ]
+    worlds = [(r["kind"], r["node"], r["world_size_after"]) for r in summary["recoveries"]]
+    assert worlds == [("kill", 1, 2), ("join", 1, 3)], summary["recoveries"]
 
 
 def assert_ends_like_reference(
@@ -106,6 +104,23 @@ def worker_records(run_dir: Path, kind: str) -> list[dict]:
         for line in path.read_text().splitlines()
         if (record := json.loads(line)).get("kind") == kind
     ]
+
+
+def resumes_by_process(run_dir: Path) -> dict[str, list[tuple[str, int]]]:
+    """(source, world size) of each resume record, per worker process (audit file)."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for path in sorted((run_dir / "audit").glob("worker-*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        found[path.name] = [
+            (r["source"], r["world_size"]) for r in records if r["kind"] == "resume"
+        ]
+    return found
+
+
+def log_events(log: Path, name: str) -> list[dict]:
+    """The structured log events ``name`` in a node's log (JSON lines among others)."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
+    return [e for e in map(json.loads, lines) if e.get("event") == name]
 
 
 def run_chaos(run_dir: Path, cluster: list[str], *args: str, timeout: float = 240) -> dict:

@@ -13,6 +13,12 @@
   begins, which DDP lets happen only once the all-reduce finished). A worker
   whose last line is ``enter`` died inside its all-reduce.
 
+``model.options.hold_at_step`` and ``hold_s``: in the first start's processes
+(their steps count from 1), the others pause ``hold_s`` instead at that step.
+Every rank records a step in the audit before its all-reduce, so a kill
+triggered by that step (``kill:rank0@stepN``, N = hold_at_step) lands inside
+rank 0's all-reduce however late the runner's look comes.
+
 ``model.options.ballast_mib`` adds a frozen parameter of that many MiB of
 zeros: the checkpoint writes take long enough for a kill to catch one in flight
 (``kill:rank0@save``); it never changes, so it changes no other number.
@@ -78,16 +84,19 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
         node = os.environ.get("ELASTIC_TRAIN_NODE", "single")
         _probe_file = Path(probe_dir) / f"probe-{node}-{os.getpid()}.jsonl"
     params = [p for p in model.parameters() if p.requires_grad]
-    seen = [0]
+    seen, steps = [0], [0]
+    hold_at, hold = int(cfg.options.get("hold_at_step", 0)), float(cfg.options.get("hold_s", 0))
+    first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     def on_grad(grad: torch.Tensor) -> torch.Tensor:
         # A tensor hook runs before the gradient is accumulated, so before
         # DDP's own hook on it: at the last one the bucket is not launched yet.
         seen[0] += 1
         if seen[0] == len(params):
-            seen[0] = 0
-            if pause and (_rank() != 0 or _world_size() == 1):
-                time.sleep(pause)  # a world of one keeps the pace, with no all-reduce to wait in
+            seen[0], steps[0] = 0, steps[0] + 1
+            held = hold if steps[0] == hold_at and first_start else pause
+            if held and (_rank() != 0 or _world_size() == 1):
+                time.sleep(held)  # a world of one keeps the pace, with no all-reduce to wait in
             _mark("enter")
         return grad
 

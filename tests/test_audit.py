@@ -127,3 +127,37 @@ def test_dataset_len_and_attempt_order_come_from_the_records(tmp_path: Path) -> 
         (2, 3, 5),
     ]
     assert audit.dataset_len() is None  # the simulator does not write it
+
+
+def _append(path: Path, kind: str, *, time: float, world: int, step: int = 0) -> None:
+    common = {"attempt": "a", "rank": 0, "world_size": world, "node": path.stem, "time": time}
+    record = (
+        {"kind": "resume", "restored_step": step, "source": "disk", **common}
+        if kind == "resume"
+        else {"kind": "step", "step": step, "epoch": 0, "indices": [step], "loss": 1.0, **common}
+    )
+    with path.open("a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def test_the_steered_runs_rejoin_watch_waits_for_the_rejoined_world_to_step(
+    tmp_path: Path,
+) -> None:
+    """tests/steered_runs.RejoinWatch: steps a full world ran before a kill and the
+    survivors redo (lost steps, larger numbers than the survivors' first) are no
+    rejoin (the fsdp2 kill/join run flaked on this); a late first round is no shrink."""
+    from steered_runs import RejoinWatch
+
+    killed, survivor = tmp_path / "worker-node1-1.jsonl", tmp_path / "worker-node0-2.jsonl"
+    watch = RejoinWatch(tmp_path, nodes=3)
+    _append(survivor, "resume", time=1.0, world=2)  # a node late to the first round
+    _append(survivor, "resume", time=2.0, world=3)
+    for step in (1, 2, 3):
+        _append(killed, "step", time=2.0 + step, world=3, step=step)
+    _append(survivor, "resume", time=6.0, world=2, step=1)  # restored step 1 from disk
+    _append(survivor, "step", time=7.0, world=2, step=2)
+    assert not watch.poll()
+    _append(survivor, "resume", time=8.0, world=3, step=2)  # the joiner is in
+    assert not watch.poll()  # resumed, not yet trained
+    _append(killed.with_name("worker-node1-3.jsonl"), "step", time=9.0, world=3, step=3)
+    assert watch.poll()

@@ -17,12 +17,18 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from chaos_runs import ENV, PACED, UNPACED, assert_ends_like_reference
+from chaos_runs import (
+    ENV,
+    PACED,
+    UNPACED,
+    assert_ends_like_reference,
+    log_events,
+    resumes_by_process,
+)
 
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
@@ -184,23 +190,6 @@ def _run_local(run_dir: Path, *args: str) -> dict:
     return json.loads(summary_path.read_text())
 
 
-def _resumes_by_process(run_dir: Path) -> dict[str, list[tuple[str, int]]]:
-    """(source, world size) of each resume record, per worker process (audit file)."""
-    found: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for path in sorted((run_dir / "audit").glob("worker-*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("kind") == "resume":
-                found[path.name].append((record["source"], record["world_size"]))
-    return dict(found)
-
-
-def _events(log: Path, name: str) -> list[dict]:
-    """The structured log events ``name`` in a node's log (JSON lines among others)."""
-    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
-    return [e for e in map(json.loads, lines) if e.get("event") == name]
-
-
 @pytest.mark.slow
 def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     tmp_path: Path,
@@ -220,7 +209,7 @@ def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
         assert 0 <= recovery["lost_steps"] <= 1, recovery
     # Audit files are per process: node 2's one worker wrote all three starts,
     # so it was never restarted; node 0's saw the first re-form before it died.
-    resumes = _resumes_by_process(run_dir)
+    resumes = resumes_by_process(run_dir)
     by_node = {name.split("-")[1]: starts for name, starts in resumes.items()}
     assert len(resumes) == 3, resumes
     assert by_node["node2"][1:] == [("inprocess", 2), ("inprocess", 1)]
@@ -231,7 +220,7 @@ def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     # waiting when the runner's FINISH_GRACE_S ran out would have been terminated).
     assert summary["nodes"]["node2"] == "exited(0)", summary["nodes"]
     assert "local_nodes_left_after_finish" not in (run_dir / "runner.log").read_text()
-    released = _events(run_dir / "logs" / "node2.log", "exit_barrier_released")
+    released = log_events(run_dir / "logs" / "node2.log", "exit_barrier_released")
     assert [(e["agents"], e["present"], e["departed"]) for e in released] == [(3, 1, 2)]
     reference = [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS, UNPACED]
     assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)

@@ -67,7 +67,12 @@ JOB = [
     "--model.options.ballast_mib=8",
 ]
 #: the chaos runs' pace (rank 0 waits this long inside every all-reduce)
-PACED = ["--model.options.allreduce_pause_s=0.15", "--model.options.probe_dir={run_dir}/probe"]
+PACED = [
+    "--model.options.allreduce_pause_s=0.15", "--model.options.probe_dir={run_dir}/probe",
+    # kill:rank0@step8 fires once step 8 is recorded, which every rank does before its
+    # all-reduce: rank 0 then waits 2 s inside step 8's, however late the runner looks
+    "--model.options.hold_at_step=8", "--model.options.hold_s=2",
+]  # fmt: skip
 FIVE_NODES = [
     "--nodes", "5", "--min-nodes", "1", "--chaos",
     "join:5@step8,kill:rank0@step8,kill:rank0@step16+save,kill:rank1@step30,kill:rank2@step30",

@@ -13,12 +13,16 @@ import pytest
 import structlog
 from rendezvous_threads import join_all, make_handlers, poll_until
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    _NodeDesc,
+    _RendezvousExitOp,
+    _RendezvousState,
+)
 
 from elastic_train.etcd.codec import ValueCodec
 from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
 from elastic_train.rendezvous.joins import fold
-from elastic_train.rendezvous.liveness import node_name
+from elastic_train.rendezvous.liveness import BEAT_BUDGET, Liveness, beat_period, node_name
 
 
 @pytest.fixture(autouse=True)
@@ -161,3 +165,89 @@ def test_agents_read_the_folders_heartbeat_digest_and_refuse_a_forged_one(
     assert ("etcd_value_rejected", digest.decode()) in {(e["event"], e.get("key")) for e in logs}
     keys.client.revoke_lease(lease)  # the folder is gone: the digest goes with its lease
     assert keys.client.get(digest)[0] is None
+
+
+def test_a_participant_completing_for_a_dead_folder_first_folds_the_pending_request(
+    etcd_endpoint: str,
+) -> None:
+    # The folder dies once the last call has started; a request written during that
+    # last call must be in the round the others complete in its place (before: they
+    # completed it without the request, and its node waited for the next round).
+    folder, other, late = _handlers(
+        etcd_endpoint, 3, min_nodes=2, max_nodes=3, keep_alive_interval=1,
+        keep_alive_max_attempt=2,
+    )  # fmt: skip
+    infos: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda h=h: infos.append(h.next_rendezvous()), daemon=True)
+        for h in (folder, other)
+    ]
+    threads[0].start()
+    _poll(lambda: folder._folder is not None and folder._folder.leading, within=10, what="lead")
+    threads[1].start()
+    _poll(lambda: len(_state(late).participants) == 2, within=10, what="both folded")
+    assert folder._folder is not None
+    folder._folder.stop(release=False)  # the folder dies: its lease runs out
+    state = _state(late)
+    assert state.deadline is not None and not state.complete  # the last call runs
+    assert late._requester is not None
+    late._requester.request(state, token=late._watched_holder.token)  # a slow agent's join
+    for thread in threads:
+        thread.join(30)
+    assert sorted((i.rank, i.world_size) for i in infos) == [(0, 3), (1, 3)]
+    final = _state(late)
+    assert final.complete and set(final.participants) == {
+        folder._this_node,
+        other._this_node,
+        late._this_node,
+    }
+
+
+def test_a_large_round_beats_less_often_and_a_small_one_as_configured() -> None:
+    # The job's heartbeats are bounded (BEAT_BUDGET a second) above BEAT_BUDGET nodes:
+    # 512 nodes beat every 4 s and expire after 3 x 4 s. Up to BEAT_BUDGET nodes the
+    # configured interval holds, whatever it is (small jobs keep torch's rule).
+    assert beat_period(0.1, 3) == 0.1 and beat_period(0.1, BEAT_BUDGET) == 0.1
+    assert beat_period(1.0, BEAT_BUDGET) == 1.0
+    assert beat_period(1.0, 512) == 512 / BEAT_BUDGET == 4.0
+
+    def state_of(count: int) -> _RendezvousState:
+        state = _RendezvousState()
+        state.last_heartbeats = {_NodeDesc("n", i, 0): i for i in range(count)}
+        return state
+
+    small, large = state_of(3), state_of(BEAT_BUDGET + 1)
+    judges = [Liveness(expiry=0.03, interval=0.01, keys=_NoBeats()) for _ in range(2)]
+    assert judges[0].dead(small, idle=False) == [] and judges[1].dead(large, idle=False) == []
+    time.sleep(0.1)  # the time under test: past the small expiry, far short of the large one
+    assert len(judges[0].dead(small, idle=False)) == 3
+    assert judges[1].dead(large, idle=False) == []  # 129 / 128 s per beat, x 3
+
+
+class _NoBeats:
+    """Heartbeat keys nobody wrote: a node shows life only through the state."""
+
+    def beat(self, node: str) -> None: ...
+
+    def heartbeats(self) -> dict[str, float]:
+        return {}
+
+
+def test_a_retried_rendezvous_does_not_leave_the_round_again(etcd_endpoint: str) -> None:
+    # next_rendezvous retries an etcd outage; torch's exit step ran in the first try,
+    # and running it again would take this node out of the round it is in by now.
+    first, second = _handlers(etcd_endpoint, 2, min_nodes=2, max_nodes=2)
+    assert sorted(join_all([first, second], within=30)) == [(0, 2), (1, 2)]
+    before = _state(first)
+    executor = first._op_executor
+    executor.exit_done = True  # as after the first try's exit step
+    executor.run(_RendezvousExitOp(), time.monotonic() + 10)
+    after = _state(second)
+    assert (after.round, after.complete, set(after.participants)) == (
+        before.round,
+        True,
+        {first._this_node, second._this_node},
+    )
+    executor.exit_done = False  # a fresh next_rendezvous: the exit step runs (rule 1)
+    executor.run(_RendezvousExitOp(), time.monotonic() + 10)
+    assert _state(second).round == before.round + 1

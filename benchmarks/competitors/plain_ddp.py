@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint.interval_steps", dest="ckpt_every", type=int, default=25)
     p.add_argument("--logging.audit_dir", dest="audit_dir", type=Path, default=None)
     p.add_argument("--elastic.pg_timeout_seconds", dest="pg_timeout", type=float, default=60.0)
+    # benchmarks.workloads' step_seconds: a sleep per forward, as tests/paced_model.py's
+    p.add_argument("--pace-seconds", dest="pace", type=float, default=0.0)
     return p.parse_args(argv)
 
 
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = perm[position : position + args.global_batch_size]
         mine = shard(batch, rank, world)
         x, y = inputs[mine].to(device), targets[mine].to(device)
+        if args.pace:
+            time.sleep(args.pace)
         loss = nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

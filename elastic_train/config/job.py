@@ -295,6 +295,10 @@ class ElasticConfig:
     inprocess_timeout_multiple: float = 10.0
     #: See inprocess_timeout_multiple.
     inprocess_timeout_floor_seconds: float = 5.0
+    #: In-process recovery: seconds a node entering the running group (an async
+    #: join) waits to be admitted at a step boundary before it exits to the
+    #: restart path (the group's steps, checkpoint saves and evaluations run first).
+    inprocess_join_timeout_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         _positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")
@@ -308,6 +312,7 @@ class ElasticConfig:
         _check(self, "snapshot_max_mib", self.snapshot_max_mib >= 0, "must be >= 0 (0: no limit)")
         _check(self, "inprocess_max_reforms", self.inprocess_max_reforms >= 1, "must be >= 1")
         _positive(self, "inprocess_probe_seconds", "inprocess_timeout_floor_seconds")
+        _positive(self, "inprocess_join_timeout_seconds")
         _check(self, "inprocess_timeout_multiple", self.inprocess_timeout_multiple >= 0,
                "must be >= 0 (0: pg_timeout_seconds throughout)")  # fmt: skip
         _check(self, "watchdog_timeout_seconds", self.watchdog_timeout_seconds >= 0,

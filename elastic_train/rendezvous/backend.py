@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_train.errors import EtcdError, EtcdUnavailableError
 from elastic_train.etcd.client import EtcdClient
+from elastic_train.etcd.group_marker import ActiveGroup, alive_group
 from elastic_train.etcd.store import EtcdV3Store
 from elastic_train.log import configure_logging_if_unconfigured, get_logger, register_secret
 from elastic_train.rendezvous.config import RendezvousConfig, parse_config, value_codec
@@ -93,6 +94,7 @@ def _create_backend(
         beats_digest=f"{run_prefix}/heartbeat_digest",
         ttl=config.ttl,
         codec=codec,
+        run_prefix=run_prefix,
     )
     store = EtcdV3Store(client, f"{run_prefix}/store", codec=codec, lease_ttl=config.ttl)
     return backend, store
@@ -162,6 +164,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._joined_round = None
+        self._op_executor.exit_done = False  # a retry below keeps the node's place
         join_s = self.settings.timeout.join.total_seconds()
         deadline = time.monotonic() + join_s
         while True:
@@ -196,12 +199,12 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 publish_beats=lambda lease: self._etcd_backend.publish_beats(lease=lease),
             )
 
-    def _offer_to_lead(self) -> None:
+    def _offer_to_lead(self, token: int, scaled: bool) -> None:
         folder = self._folder
         if folder is None:
             return
         try:
-            folder.offer_to_lead()
+            folder.offer_to_lead(token, scaled)
         except EtcdError as exc:  # best effort: the next offer, or another agent, leads
             log.warning("rendezvous_join_folder_error", error=str(exc))
 
@@ -247,6 +250,22 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             with contextlib.suppress(RendezvousConnectionError):
                 self._etcd_backend.forget(node_name(self._this_node))
             self._etcd_backend.close()
+
+    # -- for side rounds (rendezvous/side_round.py) ---------------------------------------
+
+    def running_group(self, *, probe_timeout: float) -> ActiveGroup | None:
+        """The job's in-process group, when its marker is valid and its head answers."""
+        backend = self._etcd_backend
+        return alive_group(backend.client, backend.codec, backend.run_prefix, timeout=probe_timeout)
+
+    @property
+    def base_store(self) -> Store:
+        """The rendezvous store, outside any round's prefix."""
+        return self._store
+
+    @property
+    def node_addr(self) -> str:
+        return self._this_node.addr
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join; at least 1 once this node's round has ended elsewhere."""

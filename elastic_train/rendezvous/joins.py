@@ -56,7 +56,7 @@ from elastic_train.errors import EtcdError, EtcdValueRejectedError
 from elastic_train.etcd.client import EtcdClient, KeyValue, LeaseExpiredError
 from elastic_train.etcd.codec import ValueCodec
 from elastic_train.log import get_logger
-from elastic_train.rendezvous.liveness import node_name
+from elastic_train.rendezvous.liveness import beat_period, node_name
 
 __all__ = [
     "JOIN_ACTIONS",
@@ -90,7 +90,8 @@ class JoinKeys:
     codec: ValueCodec
     requests: bytes  # prefix: {run}/joins/
     leader: bytes  # {run}/leader
-    lease_ttl: int  # seconds a silent folder keeps the leader key
+    lease_ttl: int  # seconds a silent folder keeps the leader key (up to BEAT_BUDGET nodes)
+    beats: bytes = b""  # prefix of the heartbeat keys: with the requests, how many nodes
 
 
 def _request_key(keys: JoinKeys, node: _NodeDesc) -> bytes:
@@ -107,6 +108,9 @@ class RequestStore(Protocol):
 
     def remove(self, key: bytes) -> None: ...
 
+    def join_requests(self) -> tuple[list[KeyValue], int]:
+        """Every request key, oldest first, and the store revision of the read."""
+
 
 class JoinRequester:
     """This agent's request key: posted when its join step says *add me*, withdrawn after."""
@@ -122,7 +126,10 @@ class JoinRequester:
         """Make sure a request is pending while the state (at revision ``token``) lacks us.
 
         Posted once; re-posted only if the state changed since and our key is gone
-        (consumed by a fold that could not add us, or dropped as stale).
+        (consumed by a fold that could not add us, or dropped as stale). The look-up is
+        not rate-limited, at any size: a node that a fold put on the wait list must ask
+        again as soon as the round reopens, or the round forms without it (a look-up
+        every 1.5 s cost an extra restart per join in the two-node warm-start test).
         """
         if self._posted_at is not None:
             if token == self._posted_at:
@@ -139,6 +146,19 @@ class JoinRequester:
         value = self._keys.codec.encode(self._key, json.dumps(payload).encode())
         self._store.put_leased(self._key, value)
         self._posted_at = token
+
+    def others_pending(self, state: _RendezvousState) -> bool:
+        """Whether another node's valid request is pending that a fold of ``state`` would
+        apply: the round must not be completed without it (one read, only when the folder
+        has not completed a round in time)."""
+        found, _ = self._store.join_requests()
+        for kv in found:
+            request = parse_request(self._keys, kv)
+            if request is None or request[0] == self._node or request[0] in state.participants:
+                continue
+            if request[1] >= state.round - _STALE_ROUNDS:
+                return True
+        return False
 
     def withdraw(self) -> None:
         """Delete our request, if we posted one (the join loop ended)."""
@@ -218,19 +238,23 @@ class JoinFolder:
         fold_batch: Callable[[], int | None],
         wake_every: float = 0.5,
         wake_in: Callable[[], float] = lambda: math.inf,
-        publish_beats: Callable[[int], None] = lambda lease: None,
+        publish_beats: Callable[[int], int] = lambda lease: 0,
     ) -> None:
         self._publish_beats = publish_beats
         self._published = -math.inf
+        self._publish_every = wake_every
         self._wake_in = wake_in
         self._keys = keys
         self._name = node_name(node).encode()
         self._fold_batch = fold_batch
         self._wake_every = wake_every
         self._lease = 0
+        self._ttl = keys.lease_ttl  # of the leader lease granted last
         self._leading = False
         self._renewed = 0.0
         self._offered = -math.inf
+        self._token = -1  # the state revision last seen by offer_to_lead
+        self._moved = -math.inf  # monotonic: when that revision changed
         self._lock = threading.Lock()
         self._stopped = threading.Event()
 
@@ -238,13 +262,25 @@ class JoinFolder:
     def leading(self) -> bool:
         return self._leading
 
-    def offer_to_lead(self) -> None:
-        """Take the leader key if it is free (rate-limited): start folding if so."""
+    def offer_to_lead(self, token: int = 0, scaled: bool = False) -> None:
+        """Take the leader key if it is free (rate-limited): start folding if so.
+
+        ``token``: the state revision this agent sees; ``scaled``: the state has more
+        nodes than ``liveness.BEAT_BUDGET``. Then, while the state moves (a folder is
+        at work), the key is looked at only every ``2 x lease_ttl``, as a safety net;
+        once the state has been still for ``lease_ttl / 2``, every ``lease_ttl / 2`` as
+        in smaller rounds. At K = 512 every pending agent reading the leader key every
+        1.5 s was 340 reads a second.
+        """
         with self._lock:
             now = time.monotonic()
             if self._leading or self._stopped.is_set():
                 return
-            if now - self._offered < self._keys.lease_ttl / 2:
+            if token != self._token:
+                self._token, self._moved = token, now
+            quiet = now - self._moved >= self._keys.lease_ttl / 2
+            every = self._keys.lease_ttl / 2 if quiet or not scaled else 2 * self._keys.lease_ttl
+            if now - self._offered < every:
                 return
             self._offered = now
             if self._keys.client.get(self._keys.leader)[0] is not None or not self._take():
@@ -265,7 +301,7 @@ class JoinFolder:
                 log.debug("rendezvous_leader_release_failed", error=str(exc))
 
     def _run(self) -> None:
-        interval = min(self._keys.lease_ttl / 3, self._wake_every)
+        interval = min(self._ttl / 3, self._wake_every)
         while not self._stopped.is_set() and self._leading:
             try:
                 self._renew()
@@ -289,16 +325,19 @@ class JoinFolder:
         keys itself, twice per interval: K x K reads, which at K = 256 starved the
         simulator into pruning live nodes. With it each reads one key.
         """
-        if time.monotonic() - self._published < self._wake_every:
+        if time.monotonic() - self._published < self._publish_every:
             return
         self._published = time.monotonic()
         with self._lock:
             lease = self._lease
         if lease:
-            self._publish_beats(lease)
+            nodes = self._publish_beats(lease)
+            # Twice per heartbeat period, which grows above liveness.BEAT_BUDGET nodes:
+            # reading K keys twice a second was most of a starved folder's work at K = 512.
+            self._publish_every = beat_period(2 * self._wake_every, nodes) / 2
 
     def _renew(self) -> None:
-        if time.monotonic() - self._renewed >= self._keys.lease_ttl / 3:
+        if time.monotonic() - self._renewed >= self._ttl / 3:
             with self._lock:
                 lease = self._lease
             alive = bool(lease) and self._keys.client.refresh_lease(lease) > 0
@@ -313,14 +352,26 @@ class JoinFolder:
             if revision is not None:
                 return revision
             self._stopped.wait(random.uniform(0, 0.01))  # lost to another writer: re-read
+            self._renew()  # a run of lost writes on a starved box can outlast the lease:
+            if not self._leading:  # then another agent leads, and two folders only conflict
+                return None
         return None
+
+    def _leader_ttl(self) -> int:
+        """``lease_ttl``, scaled like the heartbeat expiry above ``liveness.BEAT_BUDGET``
+        nodes (the request and heartbeat keys): at K = 512 one fold cycle outlasted 3 s
+        on the 2-core box, and the folders lost their leases one after another."""
+        prefixes = [p for p in (self._keys.requests, self._keys.beats) if p]
+        nodes = sum(self._keys.client.get_prefix(p, count_only=True)[1] for p in prefixes)
+        return math.ceil(self._keys.lease_ttl * beat_period(1.0, nodes))
 
     def _take(self) -> bool:
         key = self._keys.leader
         value = self._keys.codec.encode(key, self._name)
         for _ in range(2):
             if not self._lease:
-                self._lease = self._keys.client.grant_lease(self._keys.lease_ttl)
+                self._ttl = self._leader_ttl()
+                self._lease = self._keys.client.grant_lease(self._ttl)
             try:
                 written, _, _ = self._keys.client.put_if_value(
                     key, value, expected=None, lease=self._lease
@@ -380,32 +431,37 @@ class BatchFold:
         self._deadline_at = math.inf  # monotonic: when the forming round's last call ends
 
     def __call__(self) -> int | None:
+        """One fold; the store revision of the read of the requests, or None to fold again
+        at once (a lost write, or more requests pending than one batch holds)."""
         found, revision = self._backend.join_requests()
         batch: list[tuple[KeyValue, tuple[_NodeDesc, int]]] = []
+        more = False  # requests left for the next batch
         for kv in found:
             if (kv.key, kv.mod_revision) in self._refused:
                 continue
+            if len(batch) == MAX_BATCH:
+                more = True
+                break
             request = parse_request(self._keys, kv)
             if request is None:
                 self._refused.add((kv.key, kv.mod_revision))
                 continue
             batch.append((kv, request))
-            if len(batch) == MAX_BATCH:
-                break
         if not (batch or time.monotonic() >= self._deadline_at):
             return revision
         payload, token = self._backend.read_fresh()
         state = load_state(payload)
         self._prune(state)
         applied = fold(state, [r for _, r in batch], self._settings, apply=self._apply)
-        completed = self._complete_if_due(state)
+        # Never completed before every request pending at its last call is folded in.
+        completed = not more and self._complete_if_due(state)
         if not (batch or completed):
             return revision
         consumed = [(kv.key, kv.mod_revision) for kv, _ in batch]
         if not self._backend.write_folded(pickle.dumps(state), token=token, consumed=consumed):
             return None
         log.debug("rendezvous_joins_folded", requests=len(batch), applied=applied)
-        return revision
+        return None if more else revision
 
     @property
     def wake_in(self) -> float:

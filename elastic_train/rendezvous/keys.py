@@ -63,8 +63,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         beats_digest: str = "",
         ttl: int = 7200,
         codec: ValueCodec,
+        run_prefix: str = "",
     ) -> None:
         self._client = client
+        self.run_prefix = run_prefix
         self._name = name
         self._key = key.encode()
         self._beats_prefix = heartbeats.encode()
@@ -94,6 +96,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def client(self) -> EtcdClient:
+        return self._client
+
+    @property
+    def codec(self) -> ValueCodec:
+        return self._codec
 
     def close(self) -> None:
         """Stop watching the state key (reads still work, straight from etcd)."""
@@ -177,6 +187,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             requests=self._joins_prefix,
             leader=self._leader_key,
             lease_ttl=lease_ttl,
+            beats=self._beats_prefix,
         )
 
     def put_leased(self, key: bytes, value: bytes) -> None:
@@ -248,13 +259,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         join folder's digest while one publishes it, else from every node's key.
         """
         counts = self._digest_counts()
+        from_keys = counts is None
         if counts is None:
             counts = self.heartbeat_counts()
         now = time.monotonic()
         seen: dict[str, tuple[int, float]] = {}
         for name, count in counts.items():
             before = self._beats_seen.get(name)
-            if before is not None and count < before[0]:
+            # A digest may lag the keys read before it (it is written every period / 2):
+            # only a key's own value going back is a replay worth a warning.
+            if before is not None and count < before[0] and from_keys:
                 key = (self._beats_prefix + name.encode()).decode(errors="replace")
                 log.warning("rendezvous_heartbeat_replayed", key=key)
             newer = before is None or count > before[0]
@@ -274,13 +288,15 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             counts[kv.key[len(self._beats_prefix) :].decode(errors="replace")] = count
         return counts
 
-    def publish_beats(self, *, lease: int) -> None:
-        """Write the digest of every counter (the join folder, under its leader lease)."""
+    def publish_beats(self, *, lease: int) -> int:
+        """Write the digest of every counter (the join folder, under its leader lease);
+        how many nodes it holds."""
         if not self._digest_key:
-            return
-        payload = json.dumps(self.heartbeat_counts()).encode()
-        value = self._codec.encode(self._digest_key, payload)
+            return 0
+        counts = self.heartbeat_counts()
+        value = self._codec.encode(self._digest_key, json.dumps(counts).encode())
         self._etcd(lambda: self._client.put(self._digest_key, value, lease=lease))
+        return len(counts)
 
     def _digest_counts(self) -> dict[str, int] | None:
         if not self._digest_key:

@@ -73,12 +73,19 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
     _remove_participant_epilogue,
     _RendezvousContext,
+    _RendezvousExitOp,
     _RendezvousState,
 )
 
 from elastic_train.log import get_logger
 from elastic_train.rendezvous.joins import JOIN_ACTIONS, JoinRequester
-from elastic_train.rendezvous.liveness import HeartbeatKeys, Liveness, node_name
+from elastic_train.rendezvous.liveness import (
+    BEAT_BUDGET,
+    HeartbeatKeys,
+    Liveness,
+    beat_period,
+    node_name,
+)
 
 __all__ = [
     "ChangeWaiter",
@@ -200,16 +207,38 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
         """The mod_revision of the state last read or written (0: none yet)."""
         return self._token if isinstance(self._token, int) else 0
 
-    def prune(self, state: _RendezvousState) -> None:
-        """Remove from ``state`` (read by the join folder) the nodes this agent judges dead."""
+    def prune(self, state: _RendezvousState) -> bool:
+        """Remove from ``state`` (read by the join folder) the nodes this agent judges dead;
+        whether there were any."""
         idle = state.complete and not awaited(state)
-        _remove_nodes(state, self._liveness.dead(state, idle=idle), self._settings)
+        dead = self._liveness.dead(state, idle=idle)
+        _remove_nodes(state, dead, self._settings)
+        return bool(dead)
+
+    def unprimed_for(self) -> float:
+        """Seconds until this agent can judge who is dead (it starts reading if it never did)."""
+        return self._liveness.unprimed_for(len(self._state.last_heartbeats))
 
     def beat_due(self, node: _NodeDesc) -> bool:
         """Whether ``node`` (this agent's) last beat a keep-alive interval ago or never,
         on this agent's monotonic clock."""
+        return self.beat_due_in(node) <= 0
+
+    def beat_due_in(self, node: _NodeDesc) -> float:
+        """Seconds until ``node``'s (this agent's) next heartbeat is due, on its own clock."""
         last = self._own_beat_at.get(node, -math.inf)
-        return time.monotonic() - last >= self._settings.keep_alive_interval.total_seconds()
+        return last + self.beat_period() - time.monotonic()
+
+    def beat_period(self) -> float:
+        """Seconds between this node's heartbeats in the state last read: the configured
+        interval up to ``liveness.BEAT_BUDGET`` nodes, longer above (a bounded job rate)."""
+        interval = self._settings.keep_alive_interval.total_seconds()
+        return beat_period(interval, len(self._state.last_heartbeats))
+
+    def scaled(self) -> bool:
+        """Whether the state last read has more nodes than the heartbeat budget: only then
+        do the large-round economies apply (below it the agent acts exactly as torch's)."""
+        return len(self._state.last_heartbeats) > BEAT_BUDGET
 
     def beat(self, node: _NodeDesc) -> None:
         """Rule 3: ``node``'s heartbeat goes to its own key; the state is not written."""
@@ -223,12 +252,23 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
         if self._own_beat is not None and self._own_beat[0] in state.last_heartbeats:
             node, when = self._own_beat
             state.last_heartbeats[node] = max(state.last_heartbeats[node], when)
+        if not state.complete and self.scaled():
+            # Above the budget the join folder alone prunes the forming round it folds;
+            # here only the signs of life are noted, for when this agent must judge.
+            self._liveness.observe(state)
+            self._dead_nodes = []
+            return
         idle = state.complete and not awaited(state)
         self._dead_nodes = self._liveness.dead(state, idle=idle)
         if state.round != self._reported_round:
             self._reported_round, self._reported_dead = state.round, set()
-        for node in set(self._dead_nodes) - self._reported_dead:
-            log.info("rendezvous_node_pruned", node=node_name(node), round=state.round)
+        fresh = sorted(node_name(node) for node in set(self._dead_nodes) - self._reported_dead)
+        if fresh:
+            # One line per sync, not per node: at K = 512 every agent logging each
+            # pruned node was 37 000 lines a round and most of the simulator's CPU.
+            log.info(
+                "rendezvous_nodes_pruned", count=len(fresh), nodes=fresh[:8], round=state.round
+            )
         self._reported_dead |= set(self._dead_nodes)
         _remove_nodes(state, self._dead_nodes, self._settings)
 
@@ -258,7 +298,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         *,
         changes: ChangeWaiter | None,
         joins: JoinRequester | None = None,
-        offer_to_lead: Callable[[], None] = lambda: None,
+        offer_to_lead: Callable[[int, bool], None] = lambda token, scaled: None,
     ) -> None:
         super().__init__(node, state_holder, settings)
         self._holder = state_holder
@@ -266,6 +306,8 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         self._joins = joins  # None: torch's way, every node writes its own join
         self._offer_to_lead = offer_to_lead
         self._deferred = False
+        #: The exit step of this ``next_rendezvous`` is done (the handler resets it).
+        self.exit_done = False
 
     def apply_for(self, node: _NodeDesc, state: _RendezvousState, action: _Action) -> None:
         """Apply torch's ``action`` for ``node`` (not this agent) to ``state``: the join fold."""
@@ -288,6 +330,12 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         deadline: float,
         update_deadline: Callable[[timedelta], float] | None = None,
     ) -> None:
+        exiting = isinstance(state_handler, _RendezvousExitOp)
+        if exiting and self.exit_done:
+            # A retry after an etcd outage: this node already left its old round and
+            # may be in the one forming; leaving that would rewrite the state under
+            # every agent (and the folder's batch), once per agent whose call timed out.
+            return
         action = None
         conflicts = 0
         self._deferred = False
@@ -309,7 +357,12 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError
             if action == _Action.KEEP_ALIVE and self._node in self._state.last_heartbeats:
-                self._holder.beat(self._node)  # rule 3
+                if self._holder.scaled() and not self._holder.beat_due(self._node):
+                    # torch's interval is due, but a round above the budget beats less often
+                    wait = min(self._wait_seconds(), self._holder.beat_due_in(self._node) + 0.005)
+                    self._changes.wait_for_change(wait)  # type: ignore[union-attr]
+                else:
+                    self._holder.beat(self._node)  # rule 3
                 continue
             if self._by_folder(action):
                 continue
@@ -323,6 +376,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline is not None:
                 deadline = update_deadline(self._settings.timeout.join)
             self._state_holder.mark_dirty()
+        self.exit_done = self.exit_done or exiting
 
     def _by_folder(self, action: _Action) -> bool:
         """Whether ``action`` is left to the join folder (batched joins): a join step is
@@ -330,21 +384,44 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         so that the participants do not all race to write it at the deadline."""
         if self._joins is None or self._changes is None:
             return False
+        scaled, token = self._holder.scaled(), self._holder.token
         if action in JOIN_ACTIONS:
-            self._joins.request(self._state, token=self._holder.token)
-            self._offer_to_lead()
-            if self._holder.beat_due(self._node):
+            self._joins.request(self._state, token=token)
+            self._offer_to_lead(token, scaled)
+            listed = self._node in self._state.last_heartbeats
+            if self._holder.beat_due(self._node) and (listed or not scaled):
                 # torch's node would be in the state with a fresh heartbeat by now;
                 # one that waits for the fold must not look dead meanwhile (rule 3).
+                # Above the budget a node not in the state yet skips it: nobody judges
+                # it before the fold gives it a fresh entry (512 puts a second for nothing).
                 self._holder.beat(self._node)
             self._changes.wait_for_change(self._wait_seconds())
             return True
-        if action == _Action.MARK_RENDEZVOUS_COMPLETE and not self._deferred:
-            # The folder completes the round at the deadline; the others do it
-            # themselves only if it has not within one keep-alive interval (it died).
-            self._deferred = True
-            wait = self._settings.keep_alive_interval.total_seconds()
-            self._changes.wait_for_change(wait * random.uniform(1.0, 1.2))
+        if action != _Action.MARK_RENDEZVOUS_COMPLETE:
+            return False
+        # The folder completes the round at the deadline; the others do it themselves
+        # only if it has not within one keep-alive interval (it died), and never while
+        # a join request that the folder would have folded first is pending.
+        if self._deferred and not self._joins.others_pending(self._state):
+            return scaled and self._judge_before_completing()
+        if self._deferred:
+            self._offer_to_lead(token, False)  # no folder left to fold them: be it
+        self._deferred = True
+        wait = self._settings.keep_alive_interval.total_seconds()
+        self._changes.wait_for_change(wait * random.uniform(1.0, 1.2))
+        return True
+
+    def _judge_before_completing(self) -> bool:
+        """Above the budget (where only the folder judges a forming round): judge who is
+        alive, as the dead folder would have, before completing the round in its place.
+        True: not yet (this agent waits until it can judge, or writes the pruned state
+        and decides again)."""
+        wait = self._holder.unprimed_for()
+        if wait > 0:
+            self._changes.wait_for_change(wait)  # type: ignore[union-attr]
+            return True
+        if self._holder.prune(self._state):
+            self._state_holder.mark_dirty()  # the next sync writes it
             return True
         return False
 
@@ -368,7 +445,8 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
         wait = _MAX_WAIT
         beat = self._state.last_heartbeats.get(self._node)
         if beat is not None:
-            wait = min(wait, (beat + self._settings.keep_alive_interval - now).total_seconds())
+            period = timedelta(seconds=self._holder.beat_period())
+            wait = min(wait, (beat + period - now).total_seconds())
         if self._state.deadline is not None and self._node in self._state.participants:
             wait = min(wait, (self._state.deadline - now).total_seconds())
         return max(wait, 0.0) + 0.005  # just past the instant, so the next check passes

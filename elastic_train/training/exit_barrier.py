@@ -12,7 +12,9 @@ successful finish (then exit 0: the barrier's timeout is only logged).
 
 :func:`release_departed` arrives for them: at a successful finish after one or
 more in-process shrinks, the final rank 0 adds the number of departed agents
-(the round's agents minus the nodes of the final generation) to the counter,
+(the round's agents minus the nodes of the final generation that came from
+the round: a node admitted by an async join has an agent in a side round of
+its own, ``rendezvous/side_round.py``) to the counter,
 and sets the last-member key if that completes the barrier. It writes through
 an :class:`~elastic_train.etcd.store.EtcdV3Store` inside the same
 ``PrefixStore`` the agents use, so key and signature match theirs. A marker key
@@ -131,6 +133,6 @@ def release_after_shrink(membership: Membership | None) -> None:
             log.warning("exit_barrier_not_released", reason=f"{EXIT_BARRIER_ENV} is not set")
             return
         with round_store.opened(membership.access) as store:
-            release_departed(store, agents=round_store.agents, present=generation.nodes)
+            release_departed(store, agents=round_store.agents, present=generation.round_nodes)
     except (ElasticTrainError, RuntimeError, ValueError, OSError) as exc:  # RuntimeError: torch
         log.warning("exit_barrier_not_released", reason=f"{type(exc).__name__}: {exc}")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.audit import AuditWriter
-from elastic_train.errors import InProcessRecoveryError, MemberLostError
+from elastic_train.errors import ElasticTrainError, InProcessRecoveryError, MemberLostError
 from elastic_train.log import bind_context, get_logger
 from elastic_train.state.restore import broadcast_state
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
@@ -42,6 +42,7 @@ from elastic_train.training.step import StepOutcome, run_step
 from elastic_train.training.step_timeout import StepTimeout
 
 if TYPE_CHECKING:
+    from elastic_train.training.admission import JoinWatch
     from elastic_train.training.loop import Trainer
 
 log = get_logger(__name__)
@@ -74,16 +75,26 @@ class InProcess:
     #: Recoveries since the last completed step: a failure that every re-form
     #: meets again (not a peer's death) ends in the restart path.
     unsettled: int = 0
+    #: Async joins (training/admission.py): rank 0's watch of the join requests, whether
+    #: the last check step agreed to admit, the generation rank 0 last published.
+    joins: JoinWatch | None = None
+    admit_due: bool = False
+    published: int = -1
 
     @classmethod
     def start(cls, t: Trainer, hooks: LoopHooks) -> InProcess | None:
         """Register generation 0 (the group torchrun formed); None when the switch is off."""
-        elastic = t.cfg.elastic
-        if elastic.recovery != "inprocess":
+        if t.cfg.elastic.recovery != "inprocess":
             return None
-        membership = Membership(EtcdAccess.from_env(), lineage=t.attempt, node=t.ctx.env.node)
-        deadline = time.monotonic() + elastic.pg_timeout_seconds
-        membership.register(rank=t.ctx.rank, world_size=t.ctx.world_size, deadline=deadline)
+        ip = cls.create(t, hooks, Membership(EtcdAccess.from_env(), lineage=t.attempt,
+                                             node=t.ctx.env.node))  # fmt: skip
+        deadline = time.monotonic() + t.cfg.elastic.pg_timeout_seconds
+        ip.membership.register(rank=t.ctx.rank, world_size=t.ctx.world_size, deadline=deadline)
+        return ip
+
+    @classmethod
+    def create(cls, t: Trainer, hooks: LoopHooks, membership: Membership) -> InProcess:
+        elastic = t.cfg.elastic
         watchdog = t.guards.watchdog
         timeout = StepTimeout(
             full_s=elastic.pg_timeout_seconds, multiple=elastic.inprocess_timeout_multiple,
@@ -97,7 +108,19 @@ class InProcess:
             pg_timeout_seconds=elastic.pg_timeout_seconds, timeout=timeout,
         )  # fmt: skip
 
+    def join_wanted(self) -> bool:
+        """Rank 0's vote in the check step's all-reduce: a node waits to be admitted."""
+        return self.joins is not None and self.joins.wanted()
+
     def close(self) -> None:
+        if self.joins is not None:
+            self.joins.close()
+        current = self.membership.current
+        if current is not None and current.rank == 0 and self.published >= 0:
+            try:  # no node may ask a group that is gone to admit it
+                self.membership.retire_active()
+            except ElasticTrainError as exc:
+                log.warning("inprocess_marker_not_retired", error=str(exc))
         self.membership.close()
 
 
@@ -160,18 +183,22 @@ def form_group(t: Trainer, gen: Generation, *, timeout: float) -> DistContext:
     return ctx
 
 
-def reform(t: Trainer) -> tuple[DistContext, float, float]:
+def reform(t: Trainer, *, first: Generation | None = None) -> tuple[DistContext, float, float]:
     """Agree and form, retrying when a peer fails meanwhile; the context and the
-    seconds spent agreeing and forming."""
+    seconds spent agreeing and forming. ``first``: a generation agreed already
+    (an admission of joiners), tried before any new agreement."""
     ip = t.inprocess
     assert ip is not None
     agreement_s = group_s = 0.0
-    for _ in range(ip.max_reforms):
+    for attempt in range(ip.max_reforms):
         started = time.perf_counter()
         # Every member alive is possible: a collective timed out on a slow peer,
         # or a receive from the dead peer outlived the others' recovery (gloo
         # wakes it only at the timeout). The same members re-form then.
-        gen = ip.membership.agree(probe_timeout=ip.probe_seconds)
+        if attempt == 0 and first is not None:
+            gen = first
+        else:
+            gen = ip.membership.agree(probe_timeout=ip.probe_seconds)
         agreed = time.perf_counter()
         agreement_s += agreed - started
         if gen.nodes < ip.membership.access.min_nodes:
@@ -190,9 +217,10 @@ def reform(t: Trainer) -> tuple[DistContext, float, float]:
     raise InProcessRecoveryError(f"no group formed in {ip.max_reforms} re-forms")
 
 
-def roll_back(t: Trainer, hooks: LoopHooks) -> int:
+def roll_back(t: Trainer, hooks: LoopHooks, *, joining: bool = False) -> int:
     """Back to the last completed step, then to the newest among the survivors;
-    returns the step that was in flight at the failure (for lost-step accounting)."""
+    returns the step that was in flight at the failure (for lost-step accounting).
+    ``joining``: this worker holds no state yet (an async join): it receives the newest."""
     start, t.step_start = t.step_start, None
     in_flight = t.step + 1 if start is not None else t.step
     if start is not None:  # failed inside the step: its optimizer step never ran
@@ -203,46 +231,76 @@ def roll_back(t: Trainer, hooks: LoopHooks) -> int:
         t.comm_hook.load_state_dict(start.comm_hook)
         t.step = start.step
     t.optimizer.zero_grad(set_to_none=True)
-    steps = torch.tensor([t.step, -t.step], dtype=torch.int64, device=t.ctx.device)
+    own = -1 if joining else t.step
+    steps = torch.tensor([own, -own], dtype=torch.int64, device=t.ctx.device)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     newest, oldest = int(steps[0].item()), -int(steps[1].item())
     if newest != oldest:
-        mine = t.ctx.rank if t.step == newest else t.ctx.world_size
+        mine = t.ctx.rank if own == newest else t.ctx.world_size
         holder = torch.tensor([mine], dtype=torch.int64, device=t.ctx.device)
         dist.all_reduce(holder, op=dist.ReduceOp.MIN)
         src = int(holder.item())
-        own = hooks.state_dict(t) if t.ctx.rank == src else None
-        state = broadcast_state(own, src, None, fingerprint="inprocess", step=newest,
+        held = hooks.state_dict(t) if t.ctx.rank == src else None
+        state = broadcast_state(held, src, None, fingerprint="inprocess", step=newest,
                                 map_location=t.ctx.device)  # fmt: skip
-        if own is None:
+        if held is None:
             hooks.load_state_dict(t, state)
         log.info("inprocess_newest_broadcast", step=newest, src=src, oldest=oldest)
     return in_flight
 
 
-def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool) -> None:
+def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = False) -> None:
     """Everything that depends on rank and world size, for the new group (``t.ctx``)."""
     ctx = t.ctx
     bind_context(rank=ctx.rank, world_size=ctx.world_size)
+    t.guards.preemption.resync()
+    ip = t.inprocess
+    if ip is not None:  # a vote taken before the failure is for a group that is gone
+        ip.admit_due = False
     t.ddp = hooks.wrap(t, ctx)  # a new reducer; DDP broadcasts rank 0's (equal) weights
     t.batches.start(t.sampler, step=t.step, rank=ctx.rank, world_size=ctx.world_size,
                     training=t.cfg.training)  # fmt: skip
     t.attempt = broadcast_attempt_id(ctx)
-    if t.audit is not None:
-        t.audit.close()
+    if t.cfg.logging.audit_dir:  # a joiner has none yet
+        if t.audit is not None:
+            t.audit.close()
         t.audit = AuditWriter(
             t.cfg.logging.audit_dir, attempt=t.attempt, rank=ctx.rank,
             world_size=ctx.world_size, node=ctx.env.node,
         )  # fmt: skip
         t.audit.resume(restored_step=t.step, source="inprocess")
-    if ctx.is_main != was_main:
-        # Old rank 0 died: the checkpoint and the progress marker need a new writer.
+    if ctx.is_main != was_main or joining:
+        # Old rank 0 died (or this worker joined): the checkpoint and the progress
+        # marker need their writer here.
         if t.checkpoint is not None:
             t.checkpoint.close()
-            t.checkpoint = hooks.open_checkpoints(t, ctx)
-            t.last_saved_step = -1  # the first due save writes, whatever the old writer did
+        t.checkpoint = hooks.open_checkpoints(t, ctx)
+        t.last_saved_step = -1  # the first due save writes, whatever the old writer did
         t.progress.close()
         t.progress = ProgressMarker(t.cfg.checkpoint.dir, writer=ctx.is_main)
+
+
+def regroup(
+    t: Trainer, *, first: Generation | None = None, joining: bool = False
+) -> tuple[int, dict[str, float]]:
+    """Abort the group, form the next one (``first`` if given), bring every member to
+    the newest state, rebuild; the step in flight and the seconds of each phase."""
+    ip = t.inprocess
+    assert ip is not None
+    abort_group(t)
+    was_main, old_world = t.ctx.is_main, t.ctx.world_size
+    t.ctx, agreement_s, group_s = reform(t, first=first)
+    if ip.timeout.short_s is not None and t.ctx.world_size == old_world and first is None:
+        ip.timeout.widen()
+    ip.timeout.attach(t.ctx.backend, scale=old_world / t.ctx.world_size)
+    started = time.perf_counter()
+    in_flight = roll_back(t, ip.hooks, joining=joining)
+    rollback_s = time.perf_counter() - started
+    rebuild(t, ip.hooks, was_main=was_main, joining=joining)
+    return in_flight, {
+        "agreement_s": round(agreement_s, 4), "group_init_s": round(group_s, 4),
+        "rollback_s": round(rollback_s, 4),
+    }  # fmt: skip
 
 
 def recover(t: Trainer, failure: str) -> None:
@@ -258,16 +316,7 @@ def recover(t: Trainer, failure: str) -> None:
                 step_timeout_s=round(step_timeout_s, 3))  # fmt: skip
     try:
         with t.guards.long_operation("inprocess_recovery"):
-            abort_group(t)
-            was_main, old_world = t.ctx.is_main, t.ctx.world_size
-            t.ctx, agreement_s, group_s = reform(t)
-            if ip.timeout.short_s is not None and t.ctx.world_size == old_world:
-                ip.timeout.widen()
-            ip.timeout.attach(t.ctx.backend, scale=old_world / t.ctx.world_size)
-            started = time.perf_counter()
-            in_flight = roll_back(t, ip.hooks)
-            rollback_s = time.perf_counter() - started
-            rebuild(t, ip.hooks, was_main=was_main)
+            in_flight, timings = regroup(t)
     except InProcessRecoveryError as exc:
         log.error("inprocess_recovery_failed", error=str(exc), after=failure[:300],
                   fallback="restart")  # fmt: skip
@@ -277,10 +326,8 @@ def recover(t: Trainer, failure: str) -> None:
     t.metrics.resumed(restored_step=t.step, lost_steps=lost)
     log.info(
         "inprocess_recovered", step=t.step, lost_steps=lost, world_size=t.ctx.world_size,
-        rank=t.ctx.rank, attempt=t.attempt, detection_s=round(detection_s, 4),
-        agreement_s=round(agreement_s, 4), group_init_s=round(group_s, 4),
-        rollback_s=round(rollback_s, 4), recoveries=ip.recoveries,
-        step_timeout_s=round(step_timeout_s, 3),
+        rank=t.ctx.rank, attempt=t.attempt, detection_s=round(detection_s, 4), **timings,
+        recoveries=ip.recoveries, step_timeout_s=round(step_timeout_s, 3),
     )  # fmt: skip
 
 

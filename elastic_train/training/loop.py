@@ -33,6 +33,7 @@ from elastic_train.errors import CheckpointWriteError
 from elastic_train.log import get_logger
 from elastic_train.metrics import WorkerMetrics
 from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.training import admission
 from elastic_train.training.batches import BatchLoader
 from elastic_train.training.comm_hooks import CommHook
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
@@ -135,9 +136,11 @@ def build(
     parts: TrainingParts | None = None,
     *,
     prepared: Prepared | None = None,
+    joining: bool = False,
 ) -> Trainer:
     """Set up the trainer and restore the latest state; ``prepared``: :func:`prepare`'s
-    result for ``ctx.device`` (None: prepared here with ``parts``)."""
+    result for ``ctx.device`` (None: prepared here with ``parts``); ``joining``: an
+    async join's worker (``training/admission.py``), which restores nothing."""
     p = prepared or prepare(cfg, ctx.device, parts)
     parts, data, loss, batches, precision = p.parts, p.data, p.loss, p.batches, p.precision
     batch = global_batch_size(cfg.training, ctx.world_size)
@@ -146,12 +149,16 @@ def build(
     optimizer = parts.optimizer(model)
     scheduler = parts.scheduler(optimizer, total=steps, world_size=ctx.world_size)
     fingerprint = parts.fingerprint(model, data)
-    checkpoint = open_checkpoints(
-        cfg, ctx, fingerprint=fingerprint, model=model, optimizer=optimizer
-    )
+    # A worker entering a running group (an async join) holds no state and writes
+    # nothing until it is admitted: it gets the group's state, rank and writers then.
+    checkpoint = None
+    if not joining:
+        checkpoint = open_checkpoints(
+            cfg, ctx, fingerprint=fingerprint, model=model, optimizer=optimizer
+        )
     attempt = broadcast_attempt_id(ctx)
     audit = None
-    if cfg.logging.audit_dir:
+    if cfg.logging.audit_dir and not joining:
         audit = AuditWriter(
             cfg.logging.audit_dir, attempt=attempt, rank=ctx.rank,
             world_size=ctx.world_size, node=ctx.env.node,
@@ -167,11 +174,13 @@ def build(
             powersgd_start_iter=cfg.training.powersgd_start_iter,
         ),
         guards=LoopGuards(cfg, device=ctx.device), eval_set=build_eval_set(cfg, data),
-        progress=ProgressMarker(cfg.checkpoint.dir, writer=ctx.is_main),
+        progress=ProgressMarker(cfg.checkpoint.dir, writer=ctx.is_main and not joining),
         snapshots=node_snapshots(cfg, ctx.env, fingerprint=fingerprint),
-        tracking=open_tracking(cfg, is_main=ctx.is_main), fingerprint=fingerprint,
+        tracking=open_tracking(cfg, is_main=ctx.is_main and not joining),
+        fingerprint=fingerprint,
     )  # fmt: skip
-    restore(trainer)
+    if not joining:
+        restore(trainer)
     # Wrapped after the restore: DDP's constructor broadcasts rank 0's weights.
     trainer.ddp = trainer.comm_hook.register(wrap_model(compiled(model, cfg.training), ctx))
     return trainer
@@ -305,9 +314,10 @@ def train(t: Trainer) -> TrainResult:
     t.batches.start(t.sampler, step=t.step, rank=t.ctx.rank, world_size=t.ctx.world_size,
                     training=t.cfg.training)  # fmt: skip
     save_checkpoint(t, reason="restored_from_snapshot")  # a no-op unless restore() asked
-    t.inprocess = InProcess.start(t, HOOKS)
+    t.inprocess = admission.start(t, HOOKS)
     while not finished(t):
         outcome = run_step_or_recover(t, state=lambda: state_dict(t))
+        admission.at_step_boundary(t, stopping=bool(outcome.signalled))
         if outcome.epoch_ended:
             save_checkpoint(t, reason="epoch_end")
         elif checkpoint_due(t):

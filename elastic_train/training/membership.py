@@ -21,12 +21,13 @@ rendezvous secret), the same as the rendezvous' own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -41,6 +42,14 @@ from elastic_train.errors import (
 )
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.etcd.codec import SECRET_ENV, ValueCodec, read_job_secret
+from elastic_train.etcd.group_marker import (
+    PING,
+    PONG,
+    ActiveGroup,
+    answers,
+    clear_active,
+    write_active,
+)
 from elastic_train.log import get_logger
 
 log = get_logger(__name__)
@@ -49,7 +58,6 @@ log = get_logger(__name__)
 #: reach the rendezvous etcd, as JSON. Never holds a secret or a password: those
 #: come from ``secret_file``, ``ELASTIC_TRAIN_RDZV_SECRET`` and ``ETCD_PASSWORD``.
 ETCD_ENV = "ELASTIC_TRAIN_INPROCESS_ETCD"
-_PING, _PONG = b"?", b"!"
 #: Seconds between two reads of etcd while waiting for peers' registrations.
 _POLL_S = 0.02
 
@@ -69,6 +77,8 @@ class EtcdAccess:
     insecure: bool = False
     #: torchrun's --nnodes minimum: fewer live nodes go to the restart path, which waits
     min_nodes: int = 1
+    #: torchrun's --nnodes maximum: async joins admit no node beyond it
+    max_nodes: int = 1 << 30
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -119,6 +129,8 @@ class Member:
     host: str
     ping_port: int
     store_port: int
+    #: entered by an async join, not by the rendezvous round (its agent is in a side round)
+    joined: bool = False
 
 
 class Endpoints:
@@ -143,25 +155,28 @@ class Endpoints:
             with conn:
                 try:
                     conn.settimeout(1.0)
-                    if conn.recv(1) == _PING:
-                        conn.sendall(_PONG)
+                    if conn.recv(1) == PING:
+                        conn.sendall(PONG)
                 except OSError:
                     pass
 
     def close(self) -> None:
         self._closed = True
+        # close() alone leaves a listener blocked in accept() open (Linux): it would
+        # go on answering pings for a member that is gone.
+        with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
 
 
 def probe(member: Member, *, timeout: float) -> bool:
     """Whether ``member`` answers a ping within ``timeout`` seconds."""
-    try:
-        with socket.create_connection((member.host, member.ping_port), timeout=timeout) as conn:
-            conn.settimeout(timeout)
-            conn.sendall(_PING)
-            return conn.recv(1) == _PONG
-    except OSError:
-        return False
+    return answers(member.host, member.ping_port, timeout=timeout)
+
+
+def _probe_all(members: list[Member], timeout: float) -> list[bool]:
+    with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+        return list(pool.map(lambda m: probe(m, timeout=timeout), members))
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,11 @@ class Generation:
     @property
     def nodes(self) -> int:
         return len({m.id.rsplit("/", 1)[0] for m in self.members})
+
+    @property
+    def round_nodes(self) -> int:
+        """Nodes whose workers came from the rendezvous round (not an async join)."""
+        return len({m.id.rsplit("/", 1)[0] for m in self.members if not m.joined})
 
     def store(self, endpoints: Endpoints, *, timeout: float, probe_timeout: float) -> dist.Store:
         """A fresh-prefix store on the TCPStore of the generation's rank 0, once
@@ -221,17 +241,24 @@ class Membership:
     """The generations of one lineage of groups (one torchrun attempt and its re-forms)."""
 
     def __init__(
-        self, access: EtcdAccess, *, lineage: str, node: str, host: str | None = None
+        self,
+        access: EtcdAccess,
+        *,
+        lineage: str,
+        node: str,
+        host: str | None = None,
+        joined: bool = False,
     ) -> None:
         self.access = access
         self._client = access.client()
         self._codec = access.codec()
+        self._lineage = lineage
         self._root = f"{access.prefix}/inprocess/{lineage}"
-        self.me = Member(f"{node}/{os.getpid()}", "", 0, 0)
+        self.me = Member(f"{node}/{os.getpid()}", "", 0, 0, joined)
         self._endpoints = Endpoints(host or socket.getfqdn())
         self.me = Member(
             self.me.id, self._endpoints.host, self._endpoints.ping_port,
-            self._endpoints.store.port,
+            self._endpoints.store.port, joined,
         )  # fmt: skip
         self.current: Generation | None = None
 
@@ -272,24 +299,31 @@ class Membership:
         current = self.current
         assert current is not None, "register() first"
         others = [m for m in current.members if m.id != self.me.id]
-        with ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
-            answers = list(pool.map(lambda m: probe(m, timeout=probe_timeout), others))
-        alive = {m.id: ok for m, ok in zip(others, answers, strict=True)}
-        proposal = [asdict(m) for m in current.members if m.id == self.me.id or alive[m.id]]
-        number = current.number + 1
-        key = f"{self._root}/gen/{number:06d}".encode()
-        try:
-            value = self._codec.encode(key, json.dumps(proposal).encode())
-            written, existing, _ = self._client.put_if_value(key, value, expected=None)
-            winner = proposal if written else self._decode(key, existing.value)  # type: ignore[union-attr]
-        except ElasticTrainError as exc:
-            raise InProcessRecoveryError(f"no agreement on generation {number}: {exc}") from exc
-        members = tuple(Member(**m) for m in winner)  # type: ignore[union-attr]
+        alive = dict(zip((m.id for m in others), _probe_all(others, probe_timeout), strict=True))
+        proposal = [m for m in current.members if m.id == self.me.id or alive[m.id]]
+        written, members = self._propose(current.number + 1, proposal)
         ids = [m.id for m in members]
         log.info(
-            "membership_agreed", generation=number, proposed=written,
+            "membership_agreed", generation=current.number + 1, proposed=written,
             members=ids, dead=[i for i, ok in alive.items() if not ok],
         )  # fmt: skip
+        return self._adopt(current.number + 1, members)
+
+    def _propose(self, number: int, proposal: list[Member]) -> tuple[bool, tuple[Member, ...]]:
+        """Create generation ``number`` as ``proposal`` unless it exists; the winner."""
+        key = f"{self._root}/gen/{number:06d}".encode()
+        try:
+            value = self._codec.encode(key, json.dumps([asdict(m) for m in proposal]).encode())
+            written, existing, _ = self._client.put_if_value(key, value, expected=None)
+            if written:
+                return True, tuple(proposal)
+            winner = self._decode(key, existing.value)  # type: ignore[union-attr]
+        except ElasticTrainError as exc:
+            raise InProcessRecoveryError(f"no agreement on generation {number}: {exc}") from exc
+        return False, tuple(Member(**m) for m in winner)  # type: ignore[union-attr]
+
+    def _adopt(self, number: int, members: tuple[Member, ...]) -> Generation:
+        ids = [m.id for m in members]
         if self.me.id not in ids:
             raise InProcessRecoveryError(
                 f"fenced out of generation {number}: the others agreed on {ids} without this "
@@ -297,6 +331,94 @@ class Membership:
             )
         self.current = Generation(number, members, ids.index(self.me.id))
         return self.current
+
+    # -- async joins (training/admission.py) -------------------------------------------
+
+    @property
+    def lineage(self) -> str:
+        return self._lineage
+
+    def publish_active(self) -> None:
+        """Rank 0, at each formation: tell nodes entering the job where to ask to join."""
+        gen = self.current
+        assert gen is not None and gen.rank == 0
+        group = ActiveGroup(self._lineage, gen.number, gen.nodes, self.me.host, self.me.ping_port)
+        write_active(self._client, self._codec, self.access.prefix, group)
+
+    def retire_active(self) -> None:
+        """This lineage ends (finished, or the restart path): no more joins to it."""
+        clear_active(self._client, self._codec, self.access.prefix, self._lineage)
+
+    def request_join(self) -> None:
+        self._put(f"{self._root}/joins/{self.me.id}", asdict(self.me))
+
+    def join_requests(self) -> tuple[list[Member], int]:
+        """The members asking to join (oldest first) and the revision read at."""
+        kvs, revision = self._client.get_prefix(f"{self._root}/joins/".encode())
+        members = [Member(**self._decode(kv.key, kv.value)) for kv in kvs]  # type: ignore[arg-type]
+        return members, revision
+
+    def watch_joins(self, *, start_revision: int, timeout: float) -> None:
+        """Block until the join requests change after ``start_revision``, or ``timeout``."""
+        prefix = f"{self._root}/joins/".encode()
+        self._client.watch_once(prefix, prefix=True, start_revision=start_revision, timeout=timeout)
+
+    def withdraw_requests(self, members: list[Member]) -> None:
+        for member in members:
+            self._client.delete(f"{self._root}/joins/{member.id}".encode())
+
+    def admit(self, joiners: list[Member], *, propose: bool, deadline: float) -> Generation:
+        """Generation g + 1 = the current members and ``joiners``, proposed by the one
+        member with ``propose`` (rank 0) and read by the others; a failure's proposal
+        that won instead is adopted the same way (the joiners then wait for the next)."""
+        current = self.current
+        assert current is not None
+        number = current.number + 1
+        if propose:
+            _, members = self._propose(number, [*current.members, *joiners])
+            return self._adopt(number, members)
+        key = f"{self._root}/gen/{number:06d}".encode()
+        head, next_look = current.members[0], time.monotonic() + 1.0
+        while (kv := self._client.get(key)[0]) is None:
+            now = time.monotonic()
+            if now > next_look:  # rank 0 may die before it proposes
+                if not probe(head, timeout=1.0):
+                    raise MemberLostError(f"rank 0 ({head.id}) died before it proposed {number}")
+                next_look = now + 1.0
+            if now > deadline:
+                raise InProcessRecoveryError(f"generation {number} never came from rank 0")
+            time.sleep(_POLL_S)
+        members = tuple(Member(**m) for m in self._decode(key, kv.value))  # type: ignore[union-attr]
+        return self._adopt(number, members)
+
+    def await_admission(
+        self, *, after: int, deadline: float, head: Callable[[], bool]
+    ) -> Generation:
+        """The joiner: the first generation after ``after`` that holds this worker.
+        ``head()`` is asked about once a second whether the group still answers: a
+        group that went to the restart path admits nobody, so the joiner goes too."""
+        prefix = f"{self._root}/gen/".encode()
+        next_look = time.monotonic() + 1.0
+        while True:
+            kvs, _ = self._client.get_prefix(prefix)
+            for kv in sorted(kvs, key=lambda kv: kv.key):
+                number = int(kv.key[len(prefix) :])
+                members = tuple(Member(**m) for m in self._decode(kv.key, kv.value))  # type: ignore[union-attr]
+                if number > after and self.me.id in (m.id for m in members):
+                    return self._adopt(number, members)
+            now = time.monotonic()
+            if now > deadline:
+                raise InProcessRecoveryError(
+                    f"not admitted to the running group (lineage {self._lineage}) in time"
+                )
+            if now > next_look:
+                if not head():
+                    raise InProcessRecoveryError(
+                        f"the running group (lineage {self._lineage}) stopped answering "
+                        "before it admitted this worker"
+                    )
+                next_look = now + 1.0
+            time.sleep(_POLL_S * 5)
 
     def close(self) -> None:
         self._endpoints.close()

@@ -135,6 +135,12 @@ class PreemptionHandler:
         step_seconds = (time.monotonic() - started) / steps
         return max(1, min(MAX_CHECK_INTERVAL, int(CHECK_SECONDS / max(step_seconds, 1e-9))))
 
+    def resync(self) -> None:
+        """The group changed members: every rank checks after the next step. A worker
+        that joined has no schedule of its own, and a check step that one rank runs
+        and another does not is a collective that never completes."""
+        self._next_check = 0
+
     def checked(self, step: int, *, interval: int) -> None:
         """The ranks agreed after ``step``; the next check is ``interval`` steps later."""
         self._last_check = (step, time.monotonic())

@@ -166,13 +166,15 @@ def _add_units(count: Any, units: Any, *, device: torch.device) -> torch.Tensor:
 
 class Agreement:
     """The small all-reduce of a check step, started early and awaited late:
-    every rank's loss sum, the preemption flag, and rank 0's proposal of the
-    steps until the next check."""
+    every rank's loss sum, the preemption flag, rank 0's proposal of the
+    steps until the next check, and rank 0's vote to admit joiners."""
 
     def __init__(self, t: Trainer, loss_sum: torch.Tensor) -> None:
         preemption = t.guards.preemption
         proposal = preemption.propose_interval(t.step) if t.ctx.rank == 0 else 0
-        values = (preemption.flag(), float(proposal))
+        # Rank 0's vote that a node waits to join (training/admission.py).
+        joins = t.inprocess is not None and t.ctx.rank == 0 and t.inprocess.join_wanted()
+        values = (preemption.flag(), float(proposal), float(joins))
         self._totals = torch.cat((loss_sum.reshape(1), loss_sum.new_tensor(values)))
         self._work = dist.all_reduce(self._totals, async_op=True)
 
@@ -180,8 +182,10 @@ class Agreement:
         """The global batch's mean loss per unit, and whether any rank was
         signalled to stop. ``units``: the step's global count."""
         self._work.wait()
-        loss_total, signalled, interval = self._totals.tolist()
+        loss_total, signalled, interval, joins = self._totals.tolist()
         t.guards.preemption.checked(t.step, interval=round(interval))
+        if joins > 0 and t.inprocess is not None:
+            t.inprocess.admit_due = True
         units = float(units)
         return (loss_total / units if units > 0 else 0.0), signalled > 0
 

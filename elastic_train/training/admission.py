@@ -1,0 +1,236 @@
+"""Async joins: a node entering the job joins the running in-process group at a step
+boundary, and the members keep their processes.
+
+With ``elastic.recovery = "inprocess"`` (docs/recovery-inprocess.md, "Joins"):
+
+1. The group's rank 0 keeps the marker (``etcd/group_marker.py``) and a
+   :class:`JoinWatch` on the lineage's join requests (an etcd watch: no
+   requests while nobody asks).
+2. A node that arrives gets a side round from its agent
+   (``rendezvous/side_round.py``): its workers start alone, with
+   :data:`ASYNC_JOIN_ENV`. They build the model and the data while the
+   group trains (the imports, the compile of the data: the slow part of a
+   restart), skip the restore, put a join request in etcd and wait.
+3. Rank 0 votes in the next check step's all-reduce (``step.Agreement``), so
+   every member learns at the same step that somebody waits. After that
+   step they admit: rank 0 proposes generation ``g + 1`` = the members and
+   the live joiners (up to ``--nnodes``' maximum), the others read it, every
+   member and joiner forms the new group (:func:`~.inprocess.regroup`, as
+   after a failure), the joiners receive the newest state by broadcast
+   (``roll_back(joining=True)``), and everybody rebuilds for the new world.
+
+The members stall for the formation and the broadcast: no worker restart,
+no re-import, no reload. A failure during the admission is handled as any
+other (another agreement without the dead, or the restart path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from elastic_train.errors import ConfigError, ElasticTrainError, MemberLostError
+from elastic_train.etcd.group_marker import answers
+from elastic_train.log import get_logger
+from elastic_train.training.inprocess import (
+    InProcess,
+    LoopHooks,
+    abort_group,
+    recover,
+    regroup,
+)
+from elastic_train.training.membership import EtcdAccess, Member, Membership, probe
+
+if TYPE_CHECKING:
+    from elastic_train.training.loop import Trainer
+
+log = get_logger(__name__)
+
+#: rendezvous/side_round.py's: set by the agent for the workers of a side round.
+ASYNC_JOIN_ENV = "ELASTIC_TRAIN_ASYNC_JOIN"
+#: Seconds a watch waits before it re-reads anyway (a lost watch costs at most this).
+_WATCH_S = 5.0
+
+
+@dataclass(frozen=True)
+class JoinTicket:
+    """The running group a side round's workers join: the JSON of :data:`ASYNC_JOIN_ENV`."""
+
+    lineage: str
+    generation: int
+    host: str  # where the group's head answers a ping (etcd/group_marker.py)
+    ping_port: int
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> JoinTicket | None:
+        raw = environ.get(ASYNC_JOIN_ENV)
+        if not raw:
+            return None
+        try:
+            return cls(**json.loads(raw))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"environment variable {ASYNC_JOIN_ENV} is malformed: {exc}") from exc
+
+
+def joining(recovery: str, environ: Mapping[str, str] = os.environ) -> JoinTicket | None:
+    """The ticket of a worker that enters a running group; a ConfigError if it cannot."""
+    ticket = JoinTicket.from_env(environ)
+    if ticket is not None and recovery != "inprocess":
+        raise ConfigError(
+            f"this node's agent joined a running in-process group ({ASYNC_JOIN_ENV} is set) "
+            f"but elastic.recovery = {recovery!r}: every node of a job needs the same recovery"
+        )
+    return ticket
+
+
+class JoinWatch:
+    """Rank 0's view of the join requests, kept by a thread that re-reads them when
+    etcd says they changed."""
+
+    def __init__(self, membership: Membership) -> None:
+        self._membership = membership
+        self._requests: list[Member] = []
+        self._closed = threading.Event()
+        threading.Thread(target=self._run, name="join-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self._requests, revision = self._membership.join_requests()
+                self._membership.watch_joins(start_revision=revision + 1, timeout=_WATCH_S)
+            except Exception as exc:  # etcd's, or a client closed under the thread
+                if self._closed.is_set():
+                    return
+                log.warning("join_watch_error", error=f"{type(exc).__name__}: {exc}")
+                self._closed.wait(1.0)
+
+    def _pending(self) -> tuple[list[Member], set[str]]:
+        """The requests of workers not in the group yet, that ``--nnodes``' maximum
+        leaves room for (judged against the group now: the watch may lag an
+        admission), and the group's nodes."""
+        current = self._membership.current
+        assert current is not None
+        nodes = {m.id.rsplit("/", 1)[0] for m in current.members}
+        ids, room = {m.id for m in current.members}, self._membership.access.max_nodes
+        pending = [m for m in self._requests if m.id not in ids]
+        fits = [m for m in pending if m.id.rsplit("/", 1)[0] in nodes or len(nodes) < room]
+        return fits, nodes
+
+    def wanted(self) -> bool:
+        return bool(self._pending()[0])
+
+    def admissible(self, *, probe_timeout: float) -> list[Member]:
+        """The waiting joiners that answer a ping, as many nodes as ``--nnodes``'
+        maximum leaves room for; the requests of those that do not answer are withdrawn."""
+        pending, nodes = self._pending()
+        admitted, dead = [], []
+        for member in pending:
+            node = member.id.rsplit("/", 1)[0]
+            if not probe(member, timeout=probe_timeout):
+                dead.append(member)
+            elif node in nodes or len(nodes) < self._membership.access.max_nodes:
+                nodes.add(node)
+                admitted.append(member)
+        self._membership.withdraw_requests(dead)
+        return admitted
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+def start(t: Trainer, hooks: LoopHooks) -> InProcess | None:
+    """In-process recovery for ``t``: generation 0 of the group torchrun formed, or,
+    for a side round's worker, the running group it is admitted to."""
+    ticket = joining(t.cfg.elastic.recovery)
+    if ticket is None:
+        return InProcess.start(t, hooks)
+    membership = Membership(
+        EtcdAccess.from_env(), lineage=ticket.lineage, node=t.ctx.env.node, joined=True
+    )
+    t.inprocess = InProcess.create(t, hooks, membership)
+    enter(t, ticket)
+    return t.inprocess
+
+
+def enter(t: Trainer, ticket: JoinTicket) -> None:
+    """The joiner: ask, wait for a generation that holds this worker, form it, take
+    the newest state from the members."""
+    ip = t.inprocess
+    assert ip is not None
+    started = time.perf_counter()
+    with t.guards.long_operation("inprocess_join"):
+        ip.membership.request_join()
+        abort_group(t)  # the side round's group: this worker alone until now
+        deadline = time.monotonic() + t.cfg.elastic.inprocess_join_timeout_seconds
+        gen = ip.membership.await_admission(
+            after=ticket.generation, deadline=deadline,
+            head=lambda: answers(ticket.host, ticket.ping_port, timeout=ip.probe_seconds),
+        )  # fmt: skip
+        admitted = time.perf_counter()
+        _, timings = regroup(t, first=gen, joining=True)
+    log.info(
+        "inprocess_joined", step=t.step, world_size=t.ctx.world_size, rank=t.ctx.rank,
+        generation=gen.number, waited_s=round(admitted - started, 4),
+        seconds=round(time.perf_counter() - admitted, 4), **timings,
+    )  # fmt: skip
+
+
+def at_step_boundary(t: Trainer, *, stopping: bool) -> None:
+    """After each completed step: rank 0 keeps the marker and the watch current, and
+    every member admits the waiting joiners when the last check step said so, unless
+    the group is stopping (a preemption: the joiners then go to the rendezvous)."""
+    ip = t.inprocess
+    if ip is None:
+        return
+    gen = ip.membership.current
+    assert gen is not None
+    if gen.rank == 0:
+        if ip.published != gen.number:
+            _publish(ip)
+        if ip.joins is None:
+            ip.joins = JoinWatch(ip.membership)
+    elif ip.joins is not None:
+        ip.joins.close()
+        ip.joins = None
+    if ip.admit_due and not stopping:
+        admit(t)
+    ip.admit_due = False
+
+
+def _publish(ip: InProcess) -> None:
+    try:
+        ip.membership.publish_active()
+        ip.published = ip.membership.current.number  # type: ignore[union-attr]
+    except ElasticTrainError as exc:  # joins go through a full restart meanwhile
+        log.warning("inprocess_marker_not_published", error=str(exc))
+
+
+def admit(t: Trainer) -> None:
+    """Every member, at the same step: form generation ``g + 1`` with the joiners."""
+    ip = t.inprocess
+    assert ip is not None
+    started = time.perf_counter()
+    old_world, old_ids = t.ctx.world_size, {m.id for m in ip.membership.current.members}  # type: ignore[union-attr]
+    joiners: list[Member] = []
+    if ip.joins is not None:
+        joiners = ip.joins.admissible(probe_timeout=ip.probe_seconds)
+    try:
+        with t.guards.long_operation("inprocess_admission"):
+            deadline = time.monotonic() + ip.pg_timeout_seconds
+            gen = ip.membership.admit(joiners, propose=t.ctx.rank == 0, deadline=deadline)
+            if t.ctx.rank == 0:
+                ip.membership.withdraw_requests(joiners)
+            _, timings = regroup(t, first=gen)
+    except MemberLostError as exc:  # rank 0 died before it proposed: a failure like any
+        recover(t, f"{type(exc).__name__}: {exc}")
+        return
+    log.info(
+        "inprocess_admitted", step=t.step, generation=gen.number,
+        joiners=[m.id for m in gen.members if m.id not in old_ids], world_size=t.ctx.world_size,
+        old_world_size=old_world, seconds=round(time.perf_counter() - started, 4), **timings,
+    )  # fmt: skip
