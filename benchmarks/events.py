@@ -39,7 +39,7 @@ from elastic_train.local.chaos import ChaosKind, node_of_rank
 STAGES = (
     ("peer_error", r"Connection (reset|closed) by peer"),
     ("failure_noticed", r"Worker group (FAILED|UNHEALTHY)|attempts to join the next round"),
-    ("dead_node_pruned", r"Detected dead node|dead_node_pruned|node_pruned"),
+    ("dead_node_pruned", r"Detected dead node|dead_node_pruned|nodes?_pruned"),
     ("round_closed", r"Rendezvous complete for workers"),
     ("workers_spawned", r"Starting worker group"),
 )
