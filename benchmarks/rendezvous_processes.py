@@ -17,6 +17,7 @@ K = 512 one process holds 2 000 threads that convoy on gRPC's per-call lock, and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -70,8 +71,26 @@ def _agent_process(
     threads = [threading.Thread(target=one, args=(h,), daemon=True) for h in handlers]
     for thread in threads:
         thread.start()
-    done.wait(JOIN_TIMEOUT_S * 2)  # stay a participant until every agent has its round
+    done.wait(_join_timeout(comp) * 2)  # stay a participant until every agent has its round
     os._exit(0)
+
+
+def _join_timeout(comp: Competitor) -> float:
+    conf = dict(kv.split("=", 1) for kv in comp.rdzv_conf.split(",") if kv)
+    return float(conf.get("join_timeout", JOIN_TIMEOUT_S))
+
+
+def with_timeouts(
+    comp: Competitor, *, read_timeout: float | None, join_timeout: float | None
+) -> Competitor:
+    """``comp`` with its agents' etcd ``read_timeout`` and round ``join_timeout`` set:
+    hundreds of agents sharing 2 cores wait on the CPU, not on etcd, for longer than
+    the 5 s a request of a real agent on its own host gets by default."""
+    extra = [f"read_timeout={read_timeout}"] if read_timeout and comp.ours else []
+    extra += [f"join_timeout={int(join_timeout)}"] if join_timeout else []
+    if not extra:
+        return comp
+    return dataclasses.replace(comp, rdzv_conf=",".join(filter(None, [comp.rdzv_conf, *extra])))
 
 
 def split(k: int, per_process: int) -> list[int]:
@@ -97,7 +116,7 @@ def measure_processes(
     try:
         for proc in procs:
             proc.start()
-        runs = [sync[1].get(timeout=JOIN_TIMEOUT_S * 2) for _ in range(k)]
+        runs = [sync[1].get(timeout=_join_timeout(comp) * 2) for _ in range(k)]
     finally:
         sync[2].set()
         for proc in procs:
@@ -141,9 +160,11 @@ def processes_check(args: Any, ks: list[int], competitors: list[Competitor], wor
         "machine": harness.machine(),
         "repeats": args.repeats,
         "agents_per_process": per_process,
+        "rdzv_conf": {c.name: c.rdzv_conf for c in competitors},
         "by_agents": by_k,
     }
     out_dir = args.out_dir or harness.RESULTS_DIR
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     side = Path(out_dir) / "rendezvous_scale_processes.json"
     side.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     main_result = Path(out_dir) / "rendezvous_scale.json"
@@ -163,12 +184,28 @@ def main(argv: list[str] | None = None) -> None:
         help="agents (threads) per forked process: 1 is one process per agent; 8 runs K = 512 "
         "as 64 processes, so that neither one GIL nor 512 processes' memory is the limit",
     )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=None,
+        help="ours' rdzv-conf read_timeout for every simulated agent (s)",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=int,
+        default=None,
+        help=f"every agent's rdzv join_timeout (s; default {JOIN_TIMEOUT_S})",
+    )
     args = parser.parse_args(argv)
     ks = [2] if args.smoke else [int(k) for k in args.agents.split(",")]
     tmp = harness.scratch(args.workdir)
     try:
         workdir = Path(tmp.name) if tmp else args.workdir
-        processes_check(args, ks, harness.select_competitors(args.competitors), workdir)
+        competitors = [
+            with_timeouts(c, read_timeout=args.read_timeout, join_timeout=args.join_timeout)
+            for c in harness.select_competitors(args.competitors)
+        ]
+        processes_check(args, ks, competitors, workdir)
     finally:
         if tmp:
             tmp.cleanup()

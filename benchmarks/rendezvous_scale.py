@@ -176,7 +176,7 @@ def _secret_file() -> Path:
 
 def make_handler(comp: Competitor, endpoint: str, *, run_id: str, k: int) -> RendezvousHandler:
     conf = dict(kv.split("=", 1) for kv in comp.rdzv_conf.split(",") if kv)
-    conf["join_timeout"] = str(JOIN_TIMEOUT_S)
+    conf.setdefault("join_timeout", str(JOIN_TIMEOUT_S))  # a competitor's own wins
     if comp.rdzv_backend == "c10d":
         conf["is_host"] = "false"
     params = RendezvousParameters(

@@ -51,16 +51,31 @@ TARGET_SNAPSHOT_LOSS = 0.02
 TARGET_RATIO = 0.99
 
 
-def two_nodes(comp: Competitor, workdir: Path, *, steps: int) -> BenchCluster:
-    """The fault-free 2-node run of ``comp`` (a variant's settings applied), not started."""
-    workload = Workload(steps=steps, ours_overrides=(*SAME_MATH, *VARIANTS.get(comp.name, ())))
+def two_nodes(
+    comp: Competitor, workdir: Path, *, steps: int, shape: dict[str, int] | None = None
+) -> BenchCluster:
+    """The fault-free 2-node run of ``comp`` (a variant's settings applied), not started;
+    ``shape``: Workload fields (``hidden_size``, ``global_batch_size``) other than the default."""
+    shape = shape or {}
+    # The plain script runs each rank's half of the batch at once; ours splits it
+    # into micro-batches of training.micro_batch_size (32), which is one at the
+    # default batch of 64: the same math needs one micro-batch per rank.
+    whole = shape.get("global_batch_size", Workload.global_batch_size) // 2
+    overrides = (*SAME_MATH, f"--training.micro_batch_size={whole}", *VARIANTS.get(comp.name, ()))
+    workload = Workload(steps=steps, ours_overrides=overrides, **shape)
     return BenchCluster(comp, workload, workdir, nodes=2, min_nodes=2, max_nodes=2)
 
 
 def measure(
-    comp: Competitor, workdir: Path, *, warmup_steps: int, window_steps: int, timeout: float
+    comp: Competitor,
+    workdir: Path,
+    *,
+    warmup_steps: int,
+    window_steps: int,
+    timeout: float,
+    shape: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    with two_nodes(comp, workdir, steps=warmup_steps + window_steps) as cluster:
+    with two_nodes(comp, workdir, steps=warmup_steps + window_steps, shape=shape) as cluster:
         cluster.wait_step(warmup_steps + window_steps, world_size=2, timeout=timeout)
     return window_rates(cluster, warmup_steps=warmup_steps, window_steps=window_steps)
 
@@ -140,15 +155,30 @@ def select(spec: str) -> list[Competitor]:
 def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
     parser.set_defaults(competitors="ours,c10d-default")
+    parser.add_argument("--hidden-size", type=int, default=Workload.hidden_size,
+                        help="the MLP's width (the default's step is ~3 ms: framework "
+                             "overhead per step dominates; 1024 with --global-batch-size "
+                             "1024 is a compute-bound step of ~0.1 s)")  # fmt: skip
+    parser.add_argument("--global-batch-size", type=int, default=Workload.global_batch_size)
+    parser.add_argument("--window-steps", type=int, default=3000)
     args = parser.parse_args(argv)
     # About 10 s of window: on the 2-core box a 2 s window spread the ratio by
     # +-0.15 between runs, and a 10 s one still by about +-0.1 (the two workers
     # fill both cores, so any other process's wake-up stalls a step).
-    kwargs: dict[str, Any] = {"warmup_steps": 300, "window_steps": 3000, "timeout": 300.0}
+    kwargs: dict[str, Any] = {
+        "warmup_steps": max(args.window_steps // 10, 10), "window_steps": args.window_steps,
+        "timeout": 600.0,
+    }  # fmt: skip
     if args.smoke:
         kwargs = {"warmup_steps": 5, "window_steps": 30, "timeout": 60.0}
+    shape = {"hidden_size": args.hidden_size, "global_batch_size": args.global_batch_size}
+    name = "throughput"
+    if shape != {"hidden_size": Workload.hidden_size,
+                 "global_batch_size": Workload.global_batch_size}:  # fmt: skip
+        kwargs["shape"] = shape
+        name = f"throughput_h{args.hidden_size}_b{args.global_batch_size}"
     harness.run_benchmark(
-        "throughput_smoke" if args.smoke else "throughput",
+        "throughput_smoke" if args.smoke else name,
         args,
         select(args.competitors),
         measure=lambda c, d: measure(c, d, **kwargs),

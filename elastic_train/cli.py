@@ -94,6 +94,13 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "script'). Add --rdzv-conf warm_start=1 if it calls hand_over(__file__)",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
+    p.add_argument(
+        "--finish-grace",
+        type=float,
+        default=15.0,
+        help="seconds the nodes get to exit once training finished, then they are stopped "
+        "(default 15)",
+    )
     p.add_argument("--quiet", action="store_true", help="no live progress")
     p.add_argument(
         "--print-config",
@@ -134,6 +141,7 @@ def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
         rdzv_conf=args.rdzv_conf,
         metrics_port=args.metrics_port,
         timeout_s=args.timeout,
+        finish_grace_s=args.finish_grace,
     )
     if args.print_config:
         print(effective_config_toml(spec, run_dir=args.run_dir), end="")

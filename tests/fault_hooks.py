@@ -13,6 +13,10 @@
   begins, which DDP lets happen only once the all-reduce finished). A worker
   whose last line is ``enter`` died inside its all-reduce.
 
+``model.options.pause_file``: where it holds a number, that replaces
+``allreduce_pause_s`` from the next step on (read at every step), so a test ends
+the pace once the faults played out: the steps left are only wall time.
+
 ``model.options.hold_at_step`` and ``hold_s``: in the first start's processes
 (their steps count from 1), the others pause ``hold_s`` instead at that step.
 Every rank records a step in the audit before its all-reduce, so a kill
@@ -28,6 +32,7 @@ The probe needs one backward per step (``training.micro_batch_size=0``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -76,6 +81,7 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
     if ballast:
         model.register_parameter("ballast", nn.Parameter(torch.zeros(ballast), requires_grad=False))
     pause = float(cfg.options.get("allreduce_pause_s", 0.0))
+    pause_file = Path(str(cfg.options["pause_file"])) if cfg.options.get("pause_file") else None
     probe_dir = str(cfg.options.get("probe_dir", ""))
     if probe_dir:
         Path(probe_dir).mkdir(parents=True, exist_ok=True)
@@ -94,7 +100,7 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
         seen[0] += 1
         if seen[0] == len(params):
             seen[0], steps[0] = 0, steps[0] + 1
-            held = hold if steps[0] == hold_at and first_start else pause
+            held = hold if steps[0] == hold_at and first_start else _paced(pause, pause_file)
             if held and (_rank() != 0 or _world_size() == 1):
                 time.sleep(held)  # a world of one keeps the pace, with no all-reduce to wait in
             _mark("enter")
@@ -103,6 +109,13 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
     for param in params:
         param.register_hook(on_grad)
     return model
+
+
+def _paced(default: float, pause_file: Path | None) -> float:
+    if pause_file is not None:
+        with contextlib.suppress(OSError, ValueError):
+            return float(pause_file.read_text())
+    return default
 
 
 def probe_lines(probe_dir: Path) -> dict[str, list[dict[str, Any]]]:

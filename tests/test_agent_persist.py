@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_train.agent.persister import PERSIST_NICE
 from elastic_train.errors import CheckpointWriteError, SnapshotError
 from elastic_train.state.checkpoint import CheckpointManager
-from elastic_train.state.checkpoint_files import MANIFEST, STATE_FILE
+from elastic_train.state.checkpoint_files import MANIFEST, SLOT_FILE, SLOT_FORMAT
 from elastic_train.state.persist import AgentCheckpointManager, PersistStatus
 from elastic_train.state.snapshot import SnapshotStore
 from elastic_train.training.state_sync import NodeSnapshots, SnapshotCadence
@@ -122,7 +123,7 @@ def assert_whole(manager: CheckpointManager, step: int) -> None:
     assert torch.equal(state["w"], torch.full_like(state["w"], float(step)))
 
 
-def test_agent_persists_in_the_trainer_format_while_the_slot_moves_on(shm: Path) -> None:
+def test_agent_persists_the_slot_as_it_is_while_the_slot_moves_on(shm: Path) -> None:
     agent = Agent(shm / "agent")
     trainer = Trainer(shm, agent, keep=2, numel=4 << 20)  # 16 MiB: copies overlap the writes
     try:
@@ -141,13 +142,18 @@ def test_agent_persists_in_the_trainer_format_while_the_slot_moves_on(shm: Path)
         for step in steps:
             assert_whole(manager, step)
             directory = shm / "ckpt" / f"step-{step:09d}"
-            raw = torch.load(directory / STATE_FILE, weights_only=True)  # the plain reader
-            assert raw["step"] == step
+            # The slot's bytes as they are: nothing decoded or serialized again.
+            assert {p.name for p in directory.iterdir()} == {SLOT_FILE, MANIFEST}
             body = json.loads((directory / MANIFEST).read_text())["body"]
+            assert body["format"] == SLOT_FORMAT
             assert body["metadata"]["step"] == step and "versions" in body["metadata"]
         assert status.saved_step == steps[0] and status.failures[str(os.getpid())] == 0
         assert trainer.checkpoint.requested == 12 and trainer.checkpoint.fallbacks == 0
         assert not list((shm / "ckpt").glob(".tmp-*"))
+        # Only the persister's thread yields the CPU to the workers; the agent's others
+        # (its heartbeats, in torchrun) keep their priority.
+        nice = sorted(_nice_values(agent.proc.pid))
+        assert nice[-1] == PERSIST_NICE and set(nice[:-1]) == {0}, nice
         # The trainer paid for a datagram, not a host copy and a write (generous: a busy box).
         assert sorted(requested_at)[len(requested_at) // 2] < 0.05
     finally:
@@ -156,6 +162,15 @@ def test_agent_persists_in_the_trainer_format_while_the_slot_moves_on(shm: Path)
     # It kept up while the trainer ran, not only once flush() waited for it (a
     # socket timeout once made its drain loop wait for a pause in the requests).
     assert log.count("checkpoint_persisted") >= 2
+
+
+def _nice_values(pid: int) -> list[int]:
+    """The nice value of each thread of process ``pid`` (field 19 of its stat)."""
+    values = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rpartition(")")[2].split()
+        values.append(int(fields[16]))
+    return values
 
 
 def test_a_torn_slot_is_never_copied(shm: Path) -> None:
@@ -185,7 +200,7 @@ def test_sigkill_of_the_agent_mid_persist_keeps_the_last_good_checkpoint(shm: Pa
         assert manager.loadable_steps(limit=5) == [5]
         trainer.checkpoint.save(10, trainer.step(10))
         partial = _wait_for_partial_write(shm / "ckpt", step=10, timeout=60)
-        os.kill(agent.proc.pid, signal.SIGKILL)  # a real kill, in the middle of state.pt
+        os.kill(agent.proc.pid, signal.SIGKILL)  # a real kill, in the middle of state.slot
         agent.proc.wait(timeout=30)
         assert partial.exists()
         started = time.monotonic()
@@ -217,11 +232,11 @@ def test_sigkill_of_the_agent_mid_persist_keeps_the_last_good_checkpoint(shm: Pa
 
 
 def _wait_for_partial_write(directory: Path, *, step: int, timeout: float) -> Path:
-    """The temporary directory of ``step`` once its state.pt is being written."""
+    """The temporary directory of ``step`` once its state.slot is being written."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for temporary in directory.glob(f".tmp-step-{step:09d}-*"):
-            state = temporary / STATE_FILE
+            state = temporary / SLOT_FILE
             if state.exists() and state.stat().st_size > 0:
                 return temporary
         time.sleep(0.0005)  # polling for the write to start, with a deadline

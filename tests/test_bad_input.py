@@ -24,7 +24,7 @@ from elastic_train.config.load import load_config
 from elastic_train.errors import EXIT_CHECKPOINT_FAILURES, EXIT_CONFIG_ERROR
 from elastic_train.main import main
 from elastic_train.state import checkpoint as ckpt
-from elastic_train.state.checkpoint_files import manifest_checksum
+from elastic_train.state.checkpoint_files import STATE_FILE, manifest_checksum
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = (
@@ -149,10 +149,10 @@ def _plant(directory: Path, step: int, payload: bytes, *, fingerprint_: str) -> 
     with write access to the checkpoint directory could do)."""
     step_dir = directory / f"step-{step:09d}"
     step_dir.mkdir()
-    (step_dir / ckpt.STATE_FILE).write_bytes(payload)
+    (step_dir / STATE_FILE).write_bytes(payload)
     body = {
         "format": ckpt.FORMAT, "step": step, "fingerprint": fingerprint_,
-        "files": {ckpt.STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(),
+        "files": {STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(),
                                     "bytes": len(payload)}},
         "metadata": {"step": step, "world_size": 1},
     }  # fmt: skip
@@ -185,7 +185,7 @@ def test_foreign_and_non_checkpoints_are_refused(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     cfg = load_config(None, [arg[2:] for arg in (*TINY, "--training.steps=6")])
     (directory / "step-000000005").mkdir()
-    (directory / "step-000000005" / ckpt.STATE_FILE).write_bytes(b"not a checkpoint")
+    (directory / "step-000000005" / STATE_FILE).write_bytes(b"not a checkpoint")
     _plant(directory, 6, pickle.dumps(_Exploit(marker)), fingerprint_=fingerprint(cfg))
     resumed = _trainer(*TINY, "--training.steps=6", f"--checkpoint.dir={directory}")
     assert resumed.returncode == 0, resumed.stderr

@@ -77,6 +77,7 @@ class Scenario:
         rdzv_endpoint: str | None = None,
         timeout_s: float = 240.0,
         exit_wait_s: float = 20.0,
+        grace_s: float = 5.0,
     ) -> None:
         pythonpath = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
         self.pause_file = run_dir.parent / f"{run_dir.name}-pause"
@@ -86,6 +87,7 @@ class Scenario:
         self.spec = ClusterSpec(
             nodes=nodes, script_args=tuple(f"--{o}" for o in job), rdzv_endpoint=rdzv_endpoint,
             env=(("PYTHONPATH", pythonpath),), metrics_port=None, timeout_s=timeout_s,
+            grace_s=grace_s,
         )  # fmt: skip
         self.steps = steps
         self.exit_wait_s = exit_wait_s  # after the end of training, for the nodes to exit
@@ -181,20 +183,26 @@ class Scenario:
 # -- preemption and etcd outages -----------------------------------------------------
 
 
+#: seconds etcd is down
+OUTAGE_S = 10.0
+
+
 @pytest.mark.slow
 def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None:
-    """etcd down 20 s mid-training, restarted on its data dir; then a node is
-    preempted (zero lost steps) and rejoins, both rounds on the restarted etcd."""
+    """etcd down 10 s mid-training, restarted on its data dir; then a node is
+    preempted (zero lost steps) and rejoins, both rounds on the restarted etcd.
+    10 s outlasts every client bound the agents have (dial and read timeouts, 5 s
+    each; keep-alive pruning, 3 s); only the lease TTL (hours) is longer."""
     etcd = EtcdServer(data_dir=tmp_path / "etcd" / "data", name="outage").start()
     outage: dict[str, int] = {}
 
     def script(s: Scenario) -> None:
         s.wait_for_step(10)
-        s.set_pause(0.3)  # at most ~70 steps during the outage, whatever the machine
+        s.set_pause(0.2)  # at most ~50 steps during the outage, whatever the machine
         etcd.stop()  # SIGTERM; the data dir stays
         outage["start"] = s.step
-        down_until = time.monotonic() + 20
-        s.wait_until(lambda: time.monotonic() >= down_until, what="20 s of outage", timeout=30)
+        down_until = time.monotonic() + OUTAGE_S
+        s.wait_until(lambda: time.monotonic() >= down_until, what="the outage", timeout=30)
         outage["end"] = s.observe()
         etcd.start()
         s.wait_for_step(outage["end"] + 5)
@@ -211,7 +219,8 @@ def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None
     finally:
         etcd.stop()
     scenario.assert_good_run(summary, tmp_path)
-    assert outage["end"] - outage["start"] >= 20, outage  # training went on without etcd
+    # training went on without etcd (a step takes 0.2 s and its arithmetic)
+    assert outage["end"] - outage["start"] >= 20, outage
     term, join = summary.recoveries
     assert term.lost_steps == 0, summary.to_json()
     assert term.world_size_after == 1 and term.restore_source is not None
@@ -262,8 +271,11 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
     # exit_wait_s: node1's agent may still wait out torchrun's 30 s SIGTERM->SIGKILL on
     # its stopped worker when training ends; nothing below needs it gone (node0 logs
     # the hang, the exit code and the failover), and leaving the cluster kills it.
+    # 2 s is for node0, which exits at once; the rest of the wait would be node1's.
+    # grace_s: node1's agent answers the cluster's SIGTERM with that wait too, and
+    # would hold the cluster's exit for the whole grace before its SIGKILL.
     scenario = Scenario(
-        tmp_path / "run", steps=120, rdzv_endpoint=etcd.endpoints, exit_wait_s=5.0,
+        tmp_path / "run", steps=120, rdzv_endpoint=etcd.endpoints, exit_wait_s=2.0, grace_s=1.0,
         args=("elastic.watchdog_floor_seconds=3", "elastic.watchdog_multiple=5",
               "elastic.pg_timeout_seconds=120"),
     )  # fmt: skip

@@ -261,7 +261,7 @@ _CHILD = textwrap.dedent(
         manager.save(2, big)  # asynchronous, and the interpreter exits right away
         sys.exit(0)
     if mode == "before-manifest":
-        CheckpointManager._write_manifest = lambda *a: os._exit(3)
+        CheckpointManager._write_manifest = lambda *a, **k: os._exit(3)
         manager.save(2, big, blocking=True)
     # Python ignores SIGXFSZ, so writes past the limit fail with EFBIG ("disk full");
     # restoring the default makes the kernel kill the process mid-write instead.

@@ -7,6 +7,7 @@
 - end to end: ``elastic-train local`` on 3 nodes, node 1 killed, then the node
   of rank 0 (its store dies with it): the same worker processes go on at world
   sizes 2 and 1, exactly once, and end where a fault-free single process does.
+  The forwards pause 0.1 s until the world of 1 trains (``steered_runs``).
 """
 
 from __future__ import annotations
@@ -21,18 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from chaos_runs import (
-    ENV,
-    PACED,
-    UNPACED,
-    assert_ends_like_reference,
-    log_events,
-    resumes_by_process,
-)
+from chaos_runs import ENV, log_events, resumes_by_process
+from steered_runs import Pace, assert_ends_like, run_steered
 
+from elastic_train.audit import AuditTail, StepRecord
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
-from elastic_train.local.cluster import MAIN_SCRIPT
 from elastic_train.torchrun_plugin import INPROCESS_ETCD_ENV
 from elastic_train.training.distributed import WorkerEnv, init_distributed
 from elastic_train.training.membership import ETCD_ENV, EtcdAccess
@@ -45,7 +40,7 @@ TRAINER_ARGS = [
     f"--training.steps={STEPS}",
     "--training.final_loss_samples=96",
     "--checkpoint.interval_steps=4",
-    "--model.name=tests.paced_model:paced_mlp",
+    "--model.name=tests.steered_model:steered",
     # Outside steps (the first step, saves) a survivor waiting on the dead peer
     # wakes only at this limit; inside steps the adaptive step timeout applies
     # (test_inprocess_faults runs at 60 s to show that one).
@@ -176,18 +171,28 @@ def test_survivors_agree_without_the_killed_and_the_stopped_member(
 # -- end to end -------------------------------------------------------------------
 
 
-def _run_local(run_dir: Path, *args: str) -> dict:
-    """The run's summary; the runner's own log is left in ``run_dir/runner.log``."""
-    summary_path = run_dir / "out" / "summary.json"
+def _run_local(run_dir: Path, *args: str) -> tuple[dict, str]:
+    """The run's summary and the runner's own log."""
+    pace = Pace(run_dir.parent / f"{run_dir.name}-pause", 0.1)
+    tail = AuditTail(run_dir / "audit")
+
+    def tick() -> None:  # the pause ends once both kills are over: a world of 1 trains
+        if any(isinstance(r, StepRecord) and r.world_size == 1 for r in tail.poll()):
+            pace.set(0.0)
+
     command = [
-        sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "3", "--min-nodes", "1",
-        "--chaos", "kill:1@step6,kill:rank0@step14", "--json", str(summary_path),
-        "--run-dir", str(run_dir), "--quiet", "--timeout", "240", "--metrics-port", "0", *args,
+        "--nodes", "3", "--min-nodes", "1", "--chaos", "kill:1@step6,kill:rank0@step14",
+        "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
+        # The first round waits for all 3 agents: with the default 1 s last call and
+        # --min-nodes 1, an agent late on a loaded machine made a round of 2, then its
+        # arrival restarted everyone (5 worker processes, not 3). A round of 3 (--nnodes'
+        # maximum) closes at once, and in-process recovery forms no more rounds.
+        "--rdzv-conf", "last_call_timeout=20", f"--model.options.pause_file={pace.path}",
+        *args,
     ]  # fmt: skip
-    proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
-    assert summary_path.is_file(), proc.stderr[-3000:]
-    (run_dir / "runner.log").write_text(proc.stderr)
-    return json.loads(summary_path.read_text())
+    # nodes=0: no world of 0 trains, so run_steered's own rejoin watch never ends the pause
+    summary = run_steered(run_dir, command, pace=pace, nodes=0, on_tick=tick)
+    return summary, (run_dir.parent / f"{run_dir.name}-local.stderr").read_text()
 
 
 @pytest.mark.slow
@@ -195,7 +200,7 @@ def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    summary = _run_local(run_dir, *TRAINER_ARGS, PACED, "--elastic.recovery=inprocess")
+    summary, runner_log = _run_local(run_dir, *TRAINER_ARGS, "--elastic.recovery=inprocess")
     assert summary["completed"], summary
     assert summary["final_step"] == STEPS
     assert summary["exactly_once"], summary["exactly_once_detail"]
@@ -219,8 +224,8 @@ def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     # arrived for the 2 that left, so node 2's agent exited 0 by itself (one still
     # waiting when the runner's FINISH_GRACE_S ran out would have been terminated).
     assert summary["nodes"]["node2"] == "exited(0)", summary["nodes"]
-    assert "local_nodes_left_after_finish" not in (run_dir / "runner.log").read_text()
+    assert "local_nodes_left_after_finish" not in runner_log
     released = log_events(run_dir / "logs" / "node2.log", "exit_barrier_released")
     assert [(e["agents"], e["present"], e["departed"]) for e in released] == [(3, 1, 2)]
-    reference = [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS, UNPACED]
-    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)
+    # The reference: one process (forked), no torchrun, no faults, no pause file.
+    assert_ends_like(summary, run_dir, tmp_path / "reference", TRAINER_ARGS)

@@ -4,7 +4,7 @@ Real ``elastic-train local`` nodes (torchrun agents, an embedded etcd), real
 SIGKILL and SIGSTOP from the chaos schedule, in both recovery modes: the
 restart path (the default) and ``--elastic.recovery=inprocess``.
 
-One run of five nodes (and node5, which joins) holds four of the faults:
+One run of five nodes (and node5, which joins) per mode holds the faults:
 
 - ``join:5@step8,kill:rank0@step8``: the node of rank 0 dies *inside its
   gradient all-reduce* (``fault_hooks.probe_mlp``: every other rank pauses just
@@ -14,13 +14,15 @@ One run of five nodes (and node5, which joins) holds four of the faults:
 - ``kill:rank0@step16+save``: the node of rank 0 dies while it writes a
   checkpoint (the runner froze it holding a partial save's file open);
 - ``kill:rank1@step30,kill:rank2@step30``: two nodes killed milliseconds apart
-  (at least three are left by then, whenever node5 gets in).
-
-A two-node run holds the last: ``stop:1@step10`` SIGSTOPs a worker; in-process,
-the other's step timeout ends the hang and it goes on alone, in the same process.
+  (at least three are left by then, whenever node5 gets in);
+- in-process only, ``stop:rank1@step45``: a worker of the two left is SIGSTOPped;
+  the other's step timeout ends the hang and it goes on alone, in the same
+  process (the restart path's hang test is test_chaos_faults').
 
 Each run completes with every sample exactly once and ends with the final
-parameters of a fault-free run. Per-step snapshots bound every kill to one lost
+parameters of a fault-free run (one reference, forked once for both runs).
+Once the faults have played out, the test ends the pace (``pause_file``): the
+steps left only cost wall time. Per-step snapshots bound every kill to one lost
 step. ``pg_timeout_seconds`` stays at its default (60 s): in-process, a survivor
 that gloo leaves waiting in a receive wakes at the adaptive step timeout instead.
 """
@@ -28,24 +30,20 @@ that gloo leaves waiting in a receive wakes at the adaptive step timeout instead
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from chaos_runs import (
-    assert_ends_like_reference,
-    assert_ran_exactly_once,
-    run_chaos,
-    worker_records,
-)
+from chaos_runs import assert_ran_exactly_once, assert_same_end, log_events, worker_records
 from fault_hooks import probe_lines
+from steered_runs import Pace, forked_reference, run_steered
 
+from elastic_train.audit import AuditTail, StepRecord
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
-from elastic_train.local.cluster import MAIN_SCRIPT
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.training.step_timeout import StepTimeout
 
@@ -66,39 +64,81 @@ JOB = [
     # and the per-step snapshot stays short (rank 0 is outside its all-reduce then)
     "--model.options.ballast_mib=8",
 ]
-#: the chaos runs' pace (rank 0 waits this long inside every all-reduce)
+#: the chaos runs' pace until the faults are over (rank 0 waits this long inside every
+#: all-reduce)
+PAUSE_S = 0.15
 PACED = [
-    "--model.options.allreduce_pause_s=0.15", "--model.options.probe_dir={run_dir}/probe",
+    f"--model.options.allreduce_pause_s={PAUSE_S}", "--model.options.probe_dir={run_dir}/probe",
     # kill:rank0@step8 fires once step 8 is recorded, which every rank does before its
     # all-reduce: rank 0 then waits 2 s inside step 8's, however late the runner looks
     "--model.options.hold_at_step=8", "--model.options.hold_s=2",
 ]  # fmt: skip
-FIVE_NODES = [
-    "--nodes", "5", "--min-nodes", "1", "--chaos",
-    "join:5@step8,kill:rank0@step8,kill:rank0@step16+save,kill:rank1@step30,kill:rank2@step30",
-]  # fmt: skip
+KILLS = "join:5@step8,kill:rank0@step8,kill:rank0@step16+save,kill:rank1@step30,kill:rank2@step30"
+#: in-process only: a worker of the two nodes left is frozen
+STOP = "stop:rank1@step45"
 #: an explicit watchdog timeout, so the hang's bound is known
 WATCHDOG_S = 20.0
 #: the default process-group timeout, which in-process detection must not wait for
 PG_TIMEOUT_S = 60.0
-TWO_NODES = ["--nodes", "2", "--min-nodes", "1", "--chaos", "stop:1@step10"]
 MODES = ("restart", "inprocess")
+#: the mode's chaos schedule and extra options
+FIVE_NODES = {
+    "restart": ([KILLS], ()),
+    # --finish-grace: the frozen worker never exits by itself, and the runner would wait
+    # 15 s for it after the end
+    "inprocess": ([f"{KILLS},{STOP}"],
+                  ("--finish-grace", "3", f"--elastic.watchdog_timeout_seconds={WATCHDOG_S}")),
+}  # fmt: skip
+Reference = tuple[dict[str, torch.Tensor], float]
 
 
-def _run(run_dir: Path, mode: str, cluster: list[str], *extra: str) -> dict:
-    return run_chaos(run_dir, cluster, *JOB, *PACED, f"--elastic.recovery={mode}", *extra)
+def _run(
+    run_dir: Path, mode: str, cluster: list[str], *extra: str,
+    paced_until: Callable[[list[StepRecord]], bool],
+) -> dict:  # fmt: skip
+    """``elastic-train local`` through ``cluster``'s faults; the pause ends once the
+    step records so far satisfy ``paced_until`` (or never: the run is only slower)."""
+    pace = Pace(run_dir.parent / f"{run_dir.name}-pause", PAUSE_S)
+    tail, steps, paced = AuditTail(run_dir / "audit"), list[StepRecord](), [True]
+
+    def tick() -> None:
+        if paced[0]:
+            steps.extend(r for r in tail.poll() if isinstance(r, StepRecord))
+            if paced_until(steps):
+                pace.set(0.0)
+                paced[0] = False
+
+    command = [*cluster, "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
+               *JOB, *PACED, f"--model.options.pause_file={pace.path}",
+               f"--elastic.recovery={mode}", *extra]  # fmt: skip
+    # nodes=0: no world of 0 trains, so run_steered's own rejoin watch never ends the pause
+    return run_steered(run_dir, command, pace=pace, nodes=0, on_tick=tick)
+
+
+def _kills_done(steps: list[StepRecord]) -> bool:
+    # Only the two kills at step 30 leave a world of 2 (node2 and node5); node5 in it
+    # means the join landed too.
+    return any(s.node == "node5" and s.world_size == 2 and s.step > 30 for s in steps)
+
+
+def _stop_done(steps: list[StepRecord]) -> bool:
+    return any(s.world_size == 1 and s.step > 45 for s in steps)  # one left after the stop
 
 
 @pytest.fixture(scope="module", params=MODES)
 def five_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    run_dir = tmp_path_factory.mktemp(f"faults-{request.param}")
-    return _run(run_dir, request.param, FIVE_NODES), run_dir
+    mode = request.param
+    run_dir = tmp_path_factory.mktemp(f"faults-{mode}")
+    chaos, extra = FIVE_NODES[mode]
+    cluster = ["--nodes", "5", "--min-nodes", "1", "--chaos", *chaos]
+    done = _stop_done if mode == "inprocess" else _kills_done
+    return _run(run_dir, mode, cluster, *extra, paced_until=done), run_dir
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[str]:
-    """One process, no torchrun, no faults, no pause, no probe."""
-    return [sys.executable, str(MAIN_SCRIPT), *JOB, "--checkpoint.keep=1"]
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """One process, no torchrun, no faults, no pause, no probe: final params and loss."""
+    return forked_reference(tmp_path_factory.mktemp("reference"), [*JOB, "--checkpoint.keep=1"])
 
 
 def _events(summary: dict) -> dict[str, dict]:
@@ -114,16 +154,18 @@ def _recovery(summary: dict, event: dict) -> dict:
 
 @pytest.mark.slow
 def test_five_nodes_through_four_faults_end_like_a_fault_free_run(
-    five_nodes: tuple[dict, Path], reference: list[str], tmp_path: Path
+    five_nodes: tuple[dict, Path], reference: Reference
 ) -> None:
     summary, run_dir = five_nodes
     assert_ran_exactly_once(summary, steps=STEPS)
-    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)
+    assert_same_end(summary, run_dir, *reference)
     for recovery in summary["recoveries"]:
         if recovery["kind"] == "kill":  # a snapshot of the step before the one in flight
             assert recovery["lost_steps"] is not None and recovery["lost_steps"] <= 1, recovery
-    # Four kills of six nodes; the survivors finished.
-    assert sorted(summary["nodes"].values()).count("killed") == 4, summary["nodes"]
+    # Four kills of six nodes (the frozen one, in-process, is none of them).
+    stopped = {f"node{e['node']}" for e in summary["events"] if e["event"] == STOP}
+    ends = [end for node, end in summary["nodes"].items() if node not in stopped]
+    assert ends.count("killed") == 4, summary["nodes"]
 
 
 @pytest.mark.slow
@@ -231,28 +273,32 @@ def _worker_events(run_dir: Path, name: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_stopped_worker_is_removed_in_process_within_the_watchdog_bound(
-    reference: list[str], tmp_path: Path
+    five_nodes: tuple[dict, Path],
 ) -> None:
-    # In-process mode only (CI time; the restart path's hang test is
-    # test_chaos_faults'). The survivor, blocked in its all-reduce, wakes at the
-    # step timeout (5 s floor, under half the watchdog's), finds the stopped peer
-    # silent and re-forms alone: no watchdog exit, no worker restart.
-    run_dir = tmp_path / "run"
-    watchdog = f"--elastic.watchdog_timeout_seconds={WATCHDOG_S}"
-    summary = _run(run_dir, "inprocess", TWO_NODES, watchdog)
-    assert_ran_exactly_once(summary, steps=STEPS)
-    (stop,) = summary["recoveries"]
-    assert stop["world_size_after"] == 1 and stop["lost_steps"] <= 1, stop
-    assert stop["restore_source"] == "inprocess", stop
+    # The survivor, blocked in its all-reduce, wakes at the step timeout (5 s floor,
+    # under half the watchdog's), finds the stopped peer silent and re-forms alone:
+    # no watchdog exit, no worker restart.
+    summary, run_dir = five_nodes
+    if "inprocess" not in run_dir.name:
+        pytest.skip("in-process recovery only")
+    event = _events(summary)[STOP]
+    stop = _recovery(summary, event)
+    assert stop["kind"] == "stop" and stop["world_size_after"] == 1, stop
+    assert stop["lost_steps"] <= 1 and stop["restore_source"] == "inprocess", stop
     assert stop["seconds"] < WATCHDOG_S, stop
     # The stopped worker, resumed at the end, may still log: its watchdog firing,
     # or its own recovery finding it fenced out. The survivor's logs are checked.
     stopped = f"node{stop['node']}"
     survivor = [e for e in _worker_events(run_dir, "worker_hang_detected") if e["node"] != stopped]
     assert not survivor, survivor
-    (agreed,) = [e for e in _worker_events(run_dir, "membership_agreed") if e["node"] != stopped]
+    (agreed,) = [e for e in _worker_events(run_dir, "membership_agreed")
+                 if e["node"] != stopped and e["time"] > event["time"]]  # fmt: skip
     assert [m.split("/")[0] for m in agreed["dead"]] == [stopped], agreed
-    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path / "ref")
+    # The frozen node never exits by itself: the runner stopped it after --finish-grace.
+    runner_log = run_dir.parent / f"{run_dir.name}-local.stderr"
+    (left,) = log_events(runner_log, "local_nodes_left_after_finish")
+    assert left["grace_s"] == 3.0, left
+    # Exactly once and the fault-free end: test_five_nodes_through_four_faults_...
 
 
 # -- the step timeout, the config ---------------------------------------------------

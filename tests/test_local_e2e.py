@@ -1,36 +1,28 @@
 """End to end: the real trainer on real torchrun nodes against a real etcd, with real faults.
 
 One chaos run (3 nodes; node 1 killed, then joining again) serves two tests:
-its audit, and its final parameters against an uninterrupted run.
+its audit, and its final parameters against an uninterrupted run. Its forwards
+pause 0.1 s until the rejoined world trains (``steered_runs``), then not at all.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from chaos_runs import (
-    PACED,
-    PACED_MLP,
-    PACED_STEPS,
-    UNPACED,
-    assert_completed_exactly_once,
-    assert_ends_like_reference,
-    run_kill_then_join,
-)
-
-from elastic_train.local.cluster import MAIN_SCRIPT
+from chaos_runs import PACED_STEPS, assert_completed_exactly_once
+from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
 
 STEPS = PACED_STEPS
-TRAINER_ARGS = PACED_MLP
+TRAINER_ARGS = STEERED_MLP
 
 
 @pytest.fixture(scope="module")
 def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """``elastic-train local --nodes 3`` with a kill at world size 3 and a join at 2."""
     run_dir = tmp_path_factory.mktemp("chaos")
-    return run_kill_then_join(run_dir, *TRAINER_ARGS, PACED), run_dir
+    pace = Pace(run_dir.parent / f"{run_dir.name}-pause", 0.1)
+    return run_steered_kill_then_join(run_dir, *TRAINER_ARGS, pace=pace), run_dir
 
 
 @pytest.mark.slow
@@ -49,7 +41,6 @@ def test_resized_run_ends_where_an_uninterrupted_run_does(
     chaos_run: tuple[dict, Path], tmp_path: Path
 ) -> None:
     summary, run_dir = chaos_run
-    # The reference: the same config, one process, no torchrun, no faults,
-    # and no pacing (a sleep does not change the arithmetic).
-    reference = [sys.executable, str(MAIN_SCRIPT), *TRAINER_ARGS, UNPACED]
-    assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path)
+    # The reference: the same config, one process (forked), no torchrun, no faults,
+    # and no pause file (a sleep does not change the arithmetic).
+    assert_ends_like(summary, run_dir, tmp_path / "reference", TRAINER_ARGS)

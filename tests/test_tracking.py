@@ -91,6 +91,9 @@ def test_restart_writes_no_duplicate_or_backwards_steps(tmp_path: Path) -> None:
         "--logging.log_every_steps=1", f"--logging.tensorboard_dir={board}",
         "--logging.trackers=tests.tracker_plugin:json_lines",
         "--model.name=tests.paced_model:paced_mlp", "--model.options.seconds=0.1",
+        # A logged step needs the global loss, agreed at check steps: about every
+        # 0.25 s by default, every step here, so every step reaches the trackers.
+        "--elastic.preemption_check_every=1",
     ]  # fmt: skip
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
     assert summary_path.is_file(), proc.stderr[-3000:]

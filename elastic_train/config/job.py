@@ -257,7 +257,7 @@ class ElasticConfig:
     watchdog_startup_seconds: float = 600.0
     #: Besides SIGTERM, the signal that means "save and leave" (Slurm --signal=USR1@90).
     preemption_signal: str = "SIGUSR1"
-    #: Agree on the preemption flag every this many steps; 0: about every 50 ms
+    #: Agree on the preemption flag every this many steps; 0: about every 0.25 s
     #: (every step for slow steps; fast ones skip the collective).
     preemption_check_every: int = 0
     #: Copy the training state into /dev/shm after optimizer steps (one writer per

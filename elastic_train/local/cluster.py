@@ -85,6 +85,9 @@ class ClusterSpec:
     timeout_s: float = 900.0
     #: on abort: seconds between SIGTERM to the agents and SIGKILL to everything
     grace_s: float = 5.0
+    #: once the trainer wrote its result: seconds the nodes get to exit by themselves
+    #: (a node whose worker a chaos ``stop`` froze never does; tests shorten this)
+    finish_grace_s: float = 15.0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "nproc_per_node", "min_nodes", "max_restarts"):
@@ -97,8 +100,8 @@ class ClusterSpec:
                 f"max_nodes ({self.max_nodes}) is below the {self.node_count} nodes "
                 "that the nodes and the chaos joins can start"
             )
-        if self.timeout_s <= 0 or self.grace_s < 0:
-            raise ConfigError("timeout_s must be > 0 and grace_s >= 0")
+        if self.timeout_s <= 0 or self.grace_s < 0 or self.finish_grace_s < 0:
+            raise ConfigError("timeout_s must be > 0, grace_s and finish_grace_s >= 0")
         if self.rdzv_endpoint is None and self.rdzv_backend not in ETCD_BACKENDS | {"c10d"}:
             raise ConfigError(
                 f"rdzv_backend {self.rdzv_backend!r} needs rdzv_endpoint; the runner hosts "

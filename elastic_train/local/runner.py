@@ -58,7 +58,7 @@ log = get_logger(__name__)
 #: seconds between two supervision ticks (records read, events due, agents reaped)
 POLL_INTERVAL_S = 0.2
 
-#: seconds the nodes get to exit once the trainer wrote its result
+#: seconds the nodes get to exit once the trainer wrote its result (ClusterSpec's default)
 FINISH_GRACE_S = 15.0
 
 
@@ -241,9 +241,10 @@ class _Supervisor:
                 self._finished_at = time.monotonic()
             if not self.cluster.alive_nodes() and not self._join_pending():
                 break
-            if self._finished_at is not None and self._since_finish() > FINISH_GRACE_S:
+            grace = self.cluster.spec.finish_grace_s
+            if self._finished_at is not None and self._since_finish() > grace:
                 # Typically a late joiner waiting for a round that will never come.
-                log.warning("local_nodes_left_after_finish", grace_s=FINISH_GRACE_S)
+                log.warning("local_nodes_left_after_finish", grace_s=grace)
                 break
             if self.elapsed > timeout:
                 error = f"timed out after {timeout:g}s"

@@ -3,8 +3,9 @@
 Layout under ``directory``::
 
     step-000000120/            one directory per checkpoint
-        state.pt               torch.save of the host copy of the state
-        MANIFEST.json          checksum + size of state.pt, fingerprint, metadata
+        state.pt               torch.save of the host copy of the state, or
+        state.slot             the node's snapshot slot as it is (the agent writer)
+        MANIFEST.json          checksum + size of the state file, fingerprint, metadata
     .tmp-step-000000140-ab12   a save in progress (never read)
 
 A save writes ``state.pt`` and then the manifest (see ``checkpoint_files``)
@@ -38,6 +39,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,14 +59,16 @@ from elastic_train.log import get_logger
 from elastic_train.state.checkpoint_files import (
     FORMAT,
     MANIFEST,
-    STATE_FILE,
+    SLOT_FORMAT,
     delete_checkpoint,
     load_state,
     move_aside,
     put_back,
     read_manifest,
     remove_stale_temporaries,
+    state_file,
     write_manifest,
+    write_slot,
     write_state,
 )
 from elastic_train.state.staging import HostStaging
@@ -161,11 +165,16 @@ class CheckpointManager:
             stats.blocked_seconds = time.perf_counter() - start
             metrics.checkpoint_blocked(stats.blocked_seconds)
 
-    def write(self, step: int, state: dict, *, metadata: dict[str, Any]) -> None:
-        """Write ``state`` (host tensors) as checkpoint ``step`` here and now: the
-        node agent's persister (``state/persist.py``), which got the trainer's
-        ``metadata``. Raises ``CheckpointWriteError`` (logged and counted)."""
-        self._write(step, state, metadata, SaveStats(step, 0.0, 0.0))
+    def write_slot(
+        self, step: int, raw: bytearray, *, digest: str, metadata: dict[str, Any]
+    ) -> None:
+        """Write a verified snapshot slot's bytes (``digest``: its header's sum64) as
+        checkpoint ``step`` here and now: the node agent's persister
+        (``state/persist.py``), which got the trainer's ``metadata``. Nothing is
+        decoded or serialized again. Raises ``CheckpointWriteError`` (logged and counted)."""
+        stats = SaveStats(step, 0.0, 0.0)
+        self._commit(step, lambda d: write_slot(d, raw, digest=digest), metadata, stats,
+                     layout=SLOT_FORMAT)  # fmt: skip
 
     def _submit(self, args: tuple[Any, ...]) -> Future[None] | None:
         """Queue the write on the writer thread, or write here if threads are over (exit)."""
@@ -233,14 +242,26 @@ class CheckpointManager:
             self._count_failure(args[0], exc)
 
     def _write(self, step: int, state: Any, metadata: dict, stats: SaveStats) -> None:
+        self._commit(step, lambda d: write_state(d, state), metadata, stats, layout=FORMAT)
+
+    def _commit(
+        self,
+        step: int,
+        write_files: Callable[[Path], dict[str, dict[str, Any]]],
+        metadata: dict,
+        stats: SaveStats,
+        *,
+        layout: str,
+    ) -> None:
+        """``write_files`` into a temporary directory, the manifest, and the rename."""
         started = time.perf_counter()
         temporary = self.directory / f".tmp-step-{step:09d}-{uuid.uuid4().hex[:8]}"
         final = self._step_dir(step)
         replaced: Path | None = None
         try:
             temporary.mkdir()
-            files = write_state(temporary, state)
-            self._write_manifest(temporary, step, files, metadata)
+            files = write_files(temporary)
+            self._write_manifest(temporary, step, files, metadata, layout=layout)
             fsync_path(temporary)
             replaced = move_aside(final)
             os.rename(temporary, final)  # the commit: the directory arrives complete
@@ -252,7 +273,7 @@ class CheckpointManager:
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         stats.write_seconds = time.perf_counter() - started
-        stats.bytes = files[STATE_FILE]["bytes"]
+        stats.bytes = sum(entry["bytes"] for entry in files.values())
         self.consecutive_failures = 0
         seconds = stats.copy_seconds + stats.write_seconds
         metrics.checkpoint_saved(step=step, seconds=seconds, bytes_written=stats.bytes)
@@ -266,9 +287,11 @@ class CheckpointManager:
         )
         self._prune(step)
 
-    def _write_manifest(self, temporary: Path, step: int, files: dict, metadata: dict) -> None:
+    def _write_manifest(
+        self, temporary: Path, step: int, files: dict, metadata: dict, *, layout: str
+    ) -> None:
         body = {
-            "format": FORMAT,
+            "format": layout,
             "step": step,
             "fingerprint": self.fingerprint,
             "files": files,
@@ -342,13 +365,14 @@ class CheckpointManager:
         for step, path in self._step_dirs():
             try:
                 body = read_manifest(path, step)
-                size = (path / STATE_FILE).stat().st_size
+                name = state_file(body)
+                size = (path / name).stat().st_size
             except (CheckpointCorruptError, OSError) as exc:
                 incomplete = not (path / MANIFEST).exists()
                 reason = "incomplete" if incomplete else str(exc)
                 log.warning("checkpoint_fallback", step=step, path=str(path), reason=reason)
                 continue
-            if size != body["files"][STATE_FILE]["bytes"]:
+            if size != body["files"][name]["bytes"]:
                 log.warning("checkpoint_fallback", step=step, path=str(path), reason="truncated")
                 continue
             found.append(step)

@@ -1,4 +1,11 @@
-"""The files of one checkpoint directory: ``state.pt`` and its manifest, written and verified.
+"""The files of one checkpoint directory: the state and its manifest, written and verified.
+
+The state is one of two files. ``state.pt`` is ``torch.save`` of the state
+(the trainer writer). ``state.slot`` (format 3) is a snapshot slot's bytes as
+they are (``snapshot_layout``: tensor bytes, JSON structure, a sum64 checksum
+in a header that carries a crc32 of itself): the node agent's writer copies
+the slot to disk without decoding or re-serializing it, and reading it back
+unpickles nothing at all.
 
 The manifest lists each file's size and checksum. New checkpoints use crc32
 (zlib, about 6 GB/s here against 1.8 GB/s for sha256): it is there to catch a
@@ -27,15 +34,21 @@ from typing import Any
 
 import torch
 
-from elastic_train.errors import CheckpointCorruptError, CheckpointMismatchError
+from elastic_train.errors import CheckpointCorruptError, CheckpointMismatchError, SnapshotError
 from elastic_train.log import get_logger
+from elastic_train.state.snapshot_layout import ALGORITHM as SLOT_CHECKSUM
+from elastic_train.state.snapshot_layout import decode_checked, verify
 from elastic_train.state.state_io import map_tensors, new_hasher, save_hashed
 
 MANIFEST = "MANIFEST.json"
 STATE_FILE = "state.pt"
+SLOT_FILE = "state.slot"
 FORMAT = "elastic_train.checkpoint/2"
+#: Format 3: the state is ``state.slot``; older readers refuse it by its format.
+SLOT_FORMAT = "elastic_train.checkpoint/3"
 #: Format 1 differs only in its sha256 file checksums.
-READABLE_FORMATS = ("elastic_train.checkpoint/1", FORMAT)
+READABLE_FORMATS = ("elastic_train.checkpoint/1", FORMAT, SLOT_FORMAT)
+_STATE_FILES = ({STATE_FILE}, {SLOT_FILE})
 #: Manifests of sharded checkpoints (``sharded.py``), which this reader refuses by name.
 _DCP_FORMATS = "elastic_train.dcp/"
 FILE_CHECKSUM = "crc32"
@@ -58,6 +71,25 @@ def write_state(directory: Path, state: Any) -> dict[str, dict[str, Any]]:
         file.flush()
         os.fsync(file.fileno())
     return {STATE_FILE: {FILE_CHECKSUM: digest, "bytes": size}}
+
+
+def write_slot(directory: Path, raw: bytearray, *, digest: str) -> dict[str, dict[str, Any]]:
+    """Write a verified snapshot slot's bytes as ``directory/state.slot``, fsynced;
+    ``digest``: the slot header's sum64, which the manifest binds to the file."""
+    fd = os.open(directory / SLOT_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view, done = memoryview(raw), 0
+        while done < len(raw):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {SLOT_FILE: {SLOT_CHECKSUM: digest, "bytes": len(raw)}}
+
+
+def state_file(body: Mapping[str, Any]) -> str:
+    """The name of the state file a verified manifest lists."""
+    return next(iter(body["files"]))
 
 
 def write_manifest(directory: Path, body: Mapping[str, Any]) -> None:
@@ -91,7 +123,7 @@ def read_manifest(directory: Path, step: int) -> dict[str, Any]:
         )
     if not valid or body.get("format") not in READABLE_FORMATS or body.get("step") != step:
         raise CheckpointCorruptError(f"{directory / MANIFEST}: manifest fails its checksum")
-    if set(body.get("files", {})) != {STATE_FILE}:
+    if set(body.get("files", {})) not in _STATE_FILES:
         raise CheckpointCorruptError(f"{directory / MANIFEST}: unexpected file list")
     return body
 
@@ -164,6 +196,8 @@ def load_state(path: Path, body: dict[str, Any], *, map_location: str | torch.de
     out of the mapping: a mapped page read later from a file that rank 0
     has pruned meanwhile would be a SIGBUS on network storage.
     """
+    if SLOT_FILE in body["files"]:
+        return _load_slot(path, body, map_location=map_location)
     fd, before = _open_verified(path, body)
     source = f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}") else path / STATE_FILE
     try:
@@ -178,6 +212,37 @@ def load_state(path: Path, body: dict[str, Any], *, map_location: str | torch.de
     return map_tensors(
         state, lambda tensor: tensor.clone() if tensor.device.type == "cpu" else tensor
     )
+
+
+def _load_slot(
+    directory: Path, body: Mapping[str, Any], *, map_location: str | torch.device
+) -> Any:
+    """The state in ``state.slot``: its size, its sum64 against the manifest and the
+    header's own, and the fingerprint checked before anything is decoded."""
+    path, entry = directory / SLOT_FILE, body["files"][SLOT_FILE]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != entry["bytes"]:
+                raise CheckpointCorruptError(
+                    f"{path}: {info.st_size} bytes but the manifest says {entry['bytes']} "
+                    "(truncated?)"
+                )
+            raw = bytearray(info.st_size)
+            if os.preadv(fd, [raw], 0) != len(raw):
+                raise CheckpointCorruptError(f"{path}: shorter than its fstat size")
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
+    try:
+        header, _ = verify(raw, fingerprint=body["fingerprint"], name=str(path))
+        if header[SLOT_CHECKSUM] != entry.get(SLOT_CHECKSUM) or header["step"] != body["step"]:
+            raise CheckpointCorruptError(f"{path}: its header does not match the manifest")
+        return decode_checked(raw, header, name=str(path), map_location=map_location)
+    except SnapshotError as exc:
+        raise CheckpointCorruptError(str(exc)) from exc
 
 
 # ------------------------------------------- replacing and removing step directories
@@ -208,7 +273,8 @@ def delete_checkpoint(path: Path) -> None:
     # Manifest first: an interrupted delete must not leave something complete-looking.
     (path / MANIFEST).unlink(missing_ok=True)
     try:  # what we wrote, without rmtree's walk; anything else there takes the walk
-        (path / STATE_FILE).unlink()
+        for name in (STATE_FILE, SLOT_FILE):
+            (path / name).unlink(missing_ok=True)
         path.rmdir()
     except OSError:
         shutil.rmtree(path)

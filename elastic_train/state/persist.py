@@ -7,7 +7,8 @@ that thread takes CPU and the GIL from the training loop (benchmarks/README.md,
 ``/dev/shm`` snapshot holds the step (the snapshot is cheap, and usually
 taken by the cadence already) and sends the node agent a request, one
 datagram on a Unix socket; the agent copies the slot, verifies the copy,
-and writes it with :meth:`CheckpointManager.write`: the same files, manifest,
+and writes its bytes as they are with :meth:`CheckpointManager.write_slot`
+(``state.slot``, format 3): the same manifest,
 atomic rename and ``keep`` rotation as the trainer writer.
 
 The protocol, both sides:
@@ -46,7 +47,7 @@ from elastic_train.errors import CheckpointWriteError
 from elastic_train.log import get_logger
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.state.snapshot import SnapshotStore
-from elastic_train.state.snapshot_layout import decode_checked
+from elastic_train.state.snapshot_layout import ALGORITHM
 
 __all__ = [
     "SOCKET_ENV",
@@ -100,7 +101,8 @@ class PersistStatus:
 
 def persist_snapshot(request: dict[str, Any], managers: dict[tuple, CheckpointManager]) -> int:
     """The agent's side: copy the requested step (or a newer one) out of the node's
-    snapshot, verified, and write it as a checkpoint; the step written.
+    snapshot, verified, and write the slot's bytes as they are as a checkpoint
+    (``state.slot``: no decode, no second serialization); the step written.
 
     ``managers`` caches one manager per checkpoint directory (made here, so stale
     temporaries are removed once per agent). Raises ``CheckpointWriteError``,
@@ -115,15 +117,15 @@ def persist_snapshot(request: dict[str, Any], managers: dict[tuple, CheckpointMa
     finally:
         store.close()
     step = header["step"]
-    state = decode_checked(raw, header, name=str(store.directory), map_location="cpu")
-    del raw  # the decoded tensors are copies: halve the peak before serializing
     key = (request["checkpoint_dir"], request["keep"], request["fingerprint"])
     if key not in managers:
         managers[key] = CheckpointManager(
             request["checkpoint_dir"], keep=request["keep"], fingerprint=request["fingerprint"],
             async_save=False, is_writer=True,
         )  # fmt: skip
-    managers[key].write(step, state, metadata={**request["metadata"], "step": step})
+    managers[key].write_slot(
+        step, raw, digest=header[ALGORITHM], metadata={**request["metadata"], "step": step}
+    )
     return step
 
 

@@ -115,10 +115,10 @@ class JoinWatch:
         admission), and the group's nodes."""
         current = self._membership.current
         assert current is not None
-        nodes = {m.id.rsplit("/", 1)[0] for m in current.members}
+        nodes = {m.node for m in current.members}
         ids, room = {m.id for m in current.members}, self._membership.access.max_nodes
         pending = [m for m in self._requests if m.id not in ids]
-        fits = [m for m in pending if m.id.rsplit("/", 1)[0] in nodes or len(nodes) < room]
+        fits = [m for m in pending if m.node in nodes or len(nodes) < room]
         return fits, nodes
 
     def wanted(self) -> bool:
@@ -130,7 +130,7 @@ class JoinWatch:
         pending, nodes = self._pending()
         admitted, dead = [], []
         for member in pending:
-            node = member.id.rsplit("/", 1)[0]
+            node = member.node
             if not probe(member, timeout=probe_timeout):
                 dead.append(member)
             elif node in nodes or len(nodes) < self._membership.access.max_nodes:

@@ -132,6 +132,11 @@ class Member:
     #: entered by an async join, not by the rendezvous round (its agent is in a side round)
     joined: bool = False
 
+    @property
+    def node(self) -> str:
+        """The node this worker runs on (its id without the pid)."""
+        return self.id.rsplit("/", 1)[0]
+
 
 class Endpoints:
     """This worker's liveness responder and its (idle until needed) TCPStore server."""
@@ -193,12 +198,12 @@ class Generation:
 
     @property
     def nodes(self) -> int:
-        return len({m.id.rsplit("/", 1)[0] for m in self.members})
+        return len({m.node for m in self.members})
 
     @property
     def round_nodes(self) -> int:
         """Nodes whose workers came from the rendezvous round (not an async join)."""
-        return len({m.id.rsplit("/", 1)[0] for m in self.members if not m.joined})
+        return len({m.node for m in self.members if not m.joined})
 
     def store(self, endpoints: Endpoints, *, timeout: float, probe_timeout: float) -> dist.Store:
         """A fresh-prefix store on the TCPStore of the generation's rank 0, once

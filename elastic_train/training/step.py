@@ -215,7 +215,7 @@ def record_step(
 def log_due(t: Trainer, stats: StepStats) -> bool:
     """A log line needs the global loss, which the ranks agree on only at
     check steps: the first check at or after each ``log_every_steps`` steps,
-    so about every ``max(log_every_steps steps, 50 ms)``, and logging adds no
+    so about every ``max(log_every_steps steps, 0.25 s)``, and logging adds no
     collective of its own."""
     if stats.loss is None:
         return False

@@ -1,0 +1,126 @@
+"""Checkpoints whose state is a snapshot slot's bytes (``state.slot``, format 3),
+as the node agent's writer leaves them: real files, read back with nothing unpickled."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.state.checkpoint_files import MANIFEST, SLOT_FILE, SLOT_FORMAT, STATE_FILE
+from elastic_train.state.snapshot_layout import ALGORITHM, HEADER_BYTES, pack, verify
+from elastic_train.state.weights import read_weights
+
+FP = "fingerprint-slot"
+
+
+def _state(value: float) -> dict:
+    torch.manual_seed(int(value))
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "sampler": {"seed": 5, "epoch": 1, "samples_consumed": int(value) * 8},
+        "rng": {"torch": torch.get_rng_state()},
+        "step": int(value),
+    }
+
+
+def _write_slot(manager: CheckpointManager, step: int, state: dict, *, fingerprint: str = FP):
+    raw = pack(state, step=step, fingerprint=fingerprint)
+    header, _ = verify(raw, fingerprint=fingerprint, name="test")
+    manager.write_slot(
+        step, raw, digest=header[ALGORITHM], metadata={**manager._metadata(step), "x": 1}
+    )
+
+
+def _assert_same(loaded: dict, state: dict) -> None:
+    for key, value in state["model"].items():
+        assert torch.equal(loaded["model"][key], value)
+    assert torch.equal(
+        loaded["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"]
+    )
+    assert loaded["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    assert loaded["sampler"] == state["sampler"] and loaded["step"] == state["step"]
+    assert torch.equal(loaded["rng"]["torch"], state["rng"]["torch"])
+
+
+def test_a_slot_checkpoint_loads_beside_torch_save_ones_and_rotates(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep=2, fingerprint=FP, async_save=False, is_writer=True)
+    manager.save(1, _state(1.0))  # the trainer writer's state.pt
+    states = {step: _state(float(step)) for step in (2, 3)}
+    for step, state in states.items():
+        _write_slot(manager, step, state)
+    directory = tmp_path / "step-000000003"
+    assert {p.name for p in directory.iterdir()} == {SLOT_FILE, MANIFEST}
+    body = json.loads((directory / MANIFEST).read_text())["body"]
+    assert body["format"] == SLOT_FORMAT
+    assert body["metadata"]["step"] == 3 and body["metadata"]["x"] == 1
+    assert not (tmp_path / "step-000000001").exists()  # keep = 2 counts both kinds
+    assert manager.loadable_steps(limit=5) == [3, 2]
+    step, loaded = manager.load_latest(map_location="cpu")
+    assert step == 3
+    _assert_same(loaded, states[3])
+    _assert_same(manager.load(2, map_location="cpu"), states[2])
+    manager.save(4, _state(4.0))  # and back to state.pt in the same directory
+    assert manager.loadable_steps(limit=5) == [4, 3]
+    assert (tmp_path / "step-000000004" / STATE_FILE).exists()
+    # checkpoint.init_from reads a slot checkpoint like any other of ours.
+    weights = read_weights(str(directory))
+    assert torch.equal(weights["weight"], states[3]["model"]["weight"])
+
+
+def _flip(offset_of: object) -> object:
+    def damage(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[offset_of(len(data))] ^= 0x10
+        path.write_bytes(bytes(data))
+
+    return damage
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 64])
+
+
+def _swap_in_another_step(path: Path) -> None:
+    # A whole, valid slot, but not the one the manifest names.
+    path.write_bytes(bytes(pack(_state(9.0), step=2, fingerprint=FP)))
+
+
+def _another_config(path: Path) -> None:
+    path.write_bytes(bytes(pack(_state(2.0), step=2, fingerprint="another-config")))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _flip(lambda n: HEADER_BYTES + 40),
+        _flip(lambda n: 100),
+        _truncate,
+        _swap_in_another_step,
+        _another_config,
+    ],
+    ids=["bitflip-data", "bitflip-header", "truncated", "another-slot", "another-fingerprint"],
+)
+def test_a_damaged_slot_checkpoint_falls_back_to_the_previous_good(tmp_path: Path, damage) -> None:
+    manager = CheckpointManager(tmp_path, keep=3, fingerprint=FP, async_save=False, is_writer=True)
+    first = _state(1.0)
+    _write_slot(manager, 1, first)
+    _write_slot(manager, 2, _state(2.0))
+    damage(tmp_path / "step-000000002" / SLOT_FILE)
+    with capture_logs() as logs:
+        step, loaded = manager.load_latest(map_location="cpu")
+    assert step == 1
+    _assert_same(loaded, first)
+    fallbacks = [e for e in logs if e["event"] == "checkpoint_fallback"]
+    assert [e["step"] for e in fallbacks] == [2]
+    assert SLOT_FILE in fallbacks[0]["reason"]
