@@ -229,9 +229,7 @@ def _load_slot(
                     f"{path}: {info.st_size} bytes but the manifest says {entry['bytes']} "
                     "(truncated?)"
                 )
-            raw = bytearray(info.st_size)
-            if os.preadv(fd, [raw], 0) != len(raw):
-                raise CheckpointCorruptError(f"{path}: shorter than its fstat size")
+            raw = _read_whole(fd, info.st_size, path=path)
         finally:
             os.close(fd)
     except OSError as exc:
@@ -243,6 +241,18 @@ def _load_slot(
         return decode_checked(raw, header, name=str(path), map_location=map_location)
     except SnapshotError as exc:
         raise CheckpointCorruptError(str(exc)) from exc
+
+
+def _read_whole(fd: int, size: int, *, path: Path) -> bytearray:
+    """``size`` bytes of ``fd`` from offset 0 (a read returns at most ~2 GiB on Linux)."""
+    raw = bytearray(size)
+    view, done = memoryview(raw), 0
+    while done < size:
+        count = os.preadv(fd, [view[done:]], done)
+        if count == 0:
+            raise CheckpointCorruptError(f"{path}: shorter than its fstat size")
+        done += count
+    return raw
 
 
 # ------------------------------------------- replacing and removing step directories
