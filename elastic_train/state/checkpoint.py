@@ -26,7 +26,9 @@ buffer that is being refilled, and a second set would only cost memory.
 Loading verifies the manifest and the checksum of the bytes *before* they reach
 ``torch.load(weights_only=True)``, so a file that is not one of our checkpoints
 is never unpickled at all; the verified file is then memory-mapped, not read
-into memory a second time (``checkpoint_files.load_state``). The ranks of a
+into memory a second time (``checkpoint_files.load_state``). A ``state.slot``
+is verified the same way and decoded from tensor bytes and JSON: nothing in
+it is unpickled at all. The ranks of a
 group do not each pick their newest checkpoint: ``restore.restore_newest``
 agrees on one step and each rank calls :meth:`CheckpointManager.load` with it.
 """
