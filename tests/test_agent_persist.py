@@ -152,8 +152,10 @@ def test_agent_persists_the_slot_as_it_is_while_the_slot_moves_on(shm: Path) -> 
         assert not list((shm / "ckpt").glob(".tmp-*"))
         # Only the persister's thread yields the CPU to the workers; the agent's others
         # (its heartbeats, in torchrun) keep their priority.
+        # (Relative to the process's own nice value, which a CI runner may have raised.)
         nice = sorted(_nice_values(agent.proc.pid))
-        assert nice[-1] == PERSIST_NICE and set(nice[:-1]) == {0}, nice
+        assert nice[-1] == PERSIST_NICE and len(set(nice[:-1])) == 1, nice
+        assert nice[0] < PERSIST_NICE or os.nice(0) >= PERSIST_NICE, nice
         # The trainer paid for a datagram, not a host copy and a write (generous: a busy box).
         assert sorted(requested_at)[len(requested_at) // 2] < 0.05
     finally:
