@@ -87,6 +87,10 @@ def test_the_plugin_and_the_worker_agree_on_the_env_and_it_holds_no_secret(
     assert access.endpoints == ("127.0.0.1:2379", "127.0.0.2:2379")
     assert (access.prefix, access.min_nodes) == ("/et/job1", 2)
     assert access.codec({}).signed
+    # A hand-over that does not parse, or lacks a field, names the variable.
+    for bad in ("{not json", json.dumps({"endpoints": ["127.0.0.1:2379"]})):
+        with pytest.raises(ConfigError, match=f"environment variable {ETCD_ENV} is malformed"):
+            EtcdAccess.from_env({ETCD_ENV: bad})
 
 
 # -- the agreement ----------------------------------------------------------------

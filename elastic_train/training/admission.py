@@ -26,7 +26,6 @@ other (another agreement without the dead, or the restart path).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -44,7 +43,13 @@ from elastic_train.training.inprocess import (
     recover,
     regroup,
 )
-from elastic_train.training.membership import EtcdAccess, Member, Membership, probe
+from elastic_train.training.membership import (
+    EtcdAccess,
+    Member,
+    Membership,
+    json_from_env,
+    probe,
+)
 
 if TYPE_CHECKING:
     from elastic_train.training.loop import Trainer
@@ -68,13 +73,7 @@ class JoinTicket:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> JoinTicket | None:
-        raw = environ.get(ASYNC_JOIN_ENV)
-        if not raw:
-            return None
-        try:
-            return cls(**json.loads(raw))
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"environment variable {ASYNC_JOIN_ENV} is malformed: {exc}") from exc
+        return json_from_env(ASYNC_JOIN_ENV, lambda fields: cls(**fields), environ)
 
 
 def joining(recovery: str, environ: Mapping[str, str] = os.environ) -> JoinTicket | None:

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from elastic_train.errors import ConfigError, ElasticTrainError
+from elastic_train.errors import ElasticTrainError
 from elastic_train.etcd.store import EtcdV3Store
 from elastic_train.log import get_logger
+from elastic_train.training.membership import json_from_env
 
 if TYPE_CHECKING:
     from elastic_train.training.membership import EtcdAccess, Membership
@@ -76,15 +77,7 @@ class RoundStore:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> RoundStore | None:
         """The round this worker's agent joined; None when not started by our plugin."""
-        raw = environ.get(EXIT_BARRIER_ENV)
-        if not raw:
-            return None
-        try:
-            return cls(**json.loads(raw))
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(
-                f"environment variable {EXIT_BARRIER_ENV} is malformed: {exc}"
-            ) from exc
+        return json_from_env(EXIT_BARRIER_ENV, lambda fields: cls(**fields), environ)
 
     @contextmanager
     def opened(self, access: EtcdAccess) -> Iterator[dist.Store]:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -62,6 +63,24 @@ ETCD_ENV = "ELASTIC_TRAIN_INPROCESS_ETCD"
 _POLL_S = 0.02
 
 
+T = TypeVar("T")
+
+
+def json_from_env(
+    name: str, build: Callable[[dict[str, Any]], T], environ: Mapping[str, str] = os.environ
+) -> T | None:
+    """``build`` of the JSON object in environment variable ``name`` (our torchrun
+    plugin's hand-over to its workers); None when it is unset, a ConfigError naming
+    the variable when it does not parse or does not fit."""
+    raw = environ.get(name)
+    if not raw:
+        return None
+    try:
+        return build(json.loads(raw))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"environment variable {name} is malformed: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class EtcdAccess:
     """What a worker needs to reach the job's etcd: the JSON of :data:`ETCD_ENV`."""
@@ -85,18 +104,16 @@ class EtcdAccess:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> EtcdAccess:
-        raw = environ.get(ETCD_ENV)
-        if not raw:
+        access = json_from_env(
+            ETCD_ENV, lambda f: cls(**{**f, "endpoints": tuple(f["endpoints"])}), environ
+        )
+        if access is None:
             raise ConfigError(
                 "elastic.recovery = 'inprocess' needs the etcd rendezvous: start the workers "
                 "with torchrun --rdzv-backend etcd (or etcd-v3) and elastic_train installed, "
                 f"which sets {ETCD_ENV}; use elastic.recovery = 'restart' otherwise"
             )
-        try:
-            fields = json.loads(raw)
-            return cls(**{**fields, "endpoints": tuple(fields["endpoints"])})
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ConfigError(f"environment variable {ETCD_ENV} is malformed: {exc}") from exc
+        return access
 
     def codec(self, environ: Mapping[str, str] = os.environ) -> ValueCodec:
         """The job's codec: the secret from ``secret_file``, else the environment."""
