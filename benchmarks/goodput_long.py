@@ -23,6 +23,7 @@ comparison has a tolerance, ``--loss-rtol``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -144,6 +145,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loss-rtol", type=float, default=0.01)
     p.add_argument("--event-timeout", type=float, default=120.0)
     p.add_argument("--recovery", choices=("restart", "inprocess"), default="restart")
+    p.add_argument(
+        "--pace-ms",
+        type=float,
+        default=0.0,
+        help="a sleep per step in the soak (the fault-free run does not sleep)",
+    )
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        default=Workload.hidden_size,
+        help="the MLP's width; a narrow one keeps the loss off zero for long runs",
+    )
     p.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
     p.add_argument("--workdir", type=Path, default=None, help="scratch (default: a temp dir)")
     return p.parse_args(argv)
@@ -153,12 +166,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     steps = args.steps or 900 * args.faults
     overrides, recovery_run = recovery_overrides(args.recovery)
-    workload = Workload(steps=steps, ours_overrides=overrides)
+    workload = Workload(steps=steps, ours_overrides=overrides, hidden_size=args.hidden_size,
+                        step_seconds=args.pace_ms / 1000.0)  # fmt: skip
+    # The sleep changes no number, and without it the reference takes minutes, not hours;
+    # the paced model wraps the MLP, so the reference must too (same parameter names).
+    fault_free = dataclasses.replace(workload, step_seconds=1e-9 if args.pace_ms else 0.0)
     started, host = time.time(), harness.machine()
     tmp = harness.scratch(args.workdir)
     workdir = Path(tmp.name) if tmp else args.workdir
     try:
-        reference = run_job(workdir / "fault-free", workload, nodes=1)
+        reference = run_job(workdir / "fault-free", fault_free, nodes=1)
         soak = run_job(workdir / "soak", workload, nodes=NODES, count=args.faults,
                        gap=args.gap_steps, last_step=steps - args.margin_steps,
                        seed=args.seed, timeout=args.event_timeout)  # fmt: skip

@@ -71,6 +71,7 @@ from elastic_train.training.distributed import (
 )
 from elastic_train.training.loop import Trainer, TrainResult, build, close, train
 from elastic_train.training.parts import TrainingParts, prepare
+from elastic_train.training.recovery_mode import resolve_recovery
 
 log = get_logger("elastic_train.main")
 
@@ -108,8 +109,10 @@ def train_worker(
     _setup_logging(cfg, env)
     trainer: Trainer | None = None
     try:
+        device = worker_device(env, cfg.elastic)
+        cfg = resolve_recovery(cfg, backend="nccl" if device.type == "cuda" else "gloo")
         # Model, data and loss are checked before this worker joins any group.
-        prepared = prepare(cfg, worker_device(env, cfg.elastic), parts)
+        prepared = prepare(cfg, device, parts)
         ticket = joining(cfg.elastic.recovery)  # a side round's worker: an async join
         ctx = init_distributed(env, cfg.elastic)
         trainer = build(cfg, ctx, prepared=prepared, joining=ticket is not None)

@@ -204,8 +204,12 @@ def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    summary, runner_log = _run_local(run_dir, *TRAINER_ARGS, "--elastic.recovery=inprocess")
+    # "auto" (test_recovery_mode): in process, because our plugin and a secret are there.
+    summary, runner_log = _run_local(run_dir, *TRAINER_ARGS, "--elastic.recovery=auto")
     assert summary["completed"], summary
+    for node in ("node0", "node1", "node2"):
+        modes = log_events(run_dir / "logs" / f"{node}.log", "recovery_mode")
+        assert [(e["requested"], e["mode"]) for e in modes] == [("auto", "inprocess")], modes
     assert summary["final_step"] == STEPS
     assert summary["exactly_once"], summary["exactly_once_detail"]
     recoveries = summary["recoveries"]

@@ -278,9 +278,11 @@ class ElasticConfig:
     #: Most MiB the two snapshot slots of a node may take; 0: the free space of /dev/shm.
     snapshot_max_mib: float = 0.0
     #: After a peer's failure: "restart" (every worker exits, torchrun's agent
-    #: restarts the group) or "inprocess" (survivors re-form the group through
-    #: etcd without a restart; needs the etcd rendezvous, docs/recovery-inprocess.md).
-    recovery: Literal["restart", "inprocess"] = "restart"
+    #: restarts the group), "inprocess" (survivors re-form the group through
+    #: etcd without a restart; needs the etcd rendezvous, docs/recovery-inprocess.md)
+    #: or "auto": in process where that is known to work, else restart
+    #: (training/recovery_mode.py lists the conditions; the log says which ran).
+    recovery: Literal["restart", "inprocess", "auto"] = "restart"
     #: In-process recovery: re-forms tried per failure (a peer failing during one
     #: adds one), and failures in a row without a completed step, before the worker
     #: exits to the restart path.

@@ -103,10 +103,15 @@ class EtcdAccess:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> EtcdAccess:
-        access = json_from_env(
+    def find(cls, environ: Mapping[str, str] = os.environ) -> EtcdAccess | None:
+        """The hand-over, None when this worker was not started by our torchrun plugin."""
+        return json_from_env(
             ETCD_ENV, lambda f: cls(**{**f, "endpoints": tuple(f["endpoints"])}), environ
         )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> EtcdAccess:
+        access = cls.find(environ)
         if access is None:
             raise ConfigError(
                 "elastic.recovery = 'inprocess' needs the etcd rendezvous: start the workers "
@@ -114,6 +119,14 @@ class EtcdAccess:
                 f"which sets {ETCD_ENV}; use elastic.recovery = 'restart' otherwise"
             )
         return access
+
+    def signs(self, environ: Mapping[str, str] = os.environ) -> bool:
+        """Whether a secret reached the worker, or the rendezvous runs insecure on purpose;
+        a ConfigError for a secret that is there but unusable (unreadable, too short)."""
+        try:
+            return self.insecure or read_job_secret(self.secret_file, environ) is not None
+        except ValueError as exc:
+            raise ConfigError(f"the rendezvous secret: {exc}") from exc
 
     def codec(self, environ: Mapping[str, str] = os.environ) -> ValueCodec:
         """The job's codec: the secret from ``secret_file``, else the environment."""

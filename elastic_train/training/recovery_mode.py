@@ -1,0 +1,67 @@
+"""Which recovery a worker runs: ``elastic.recovery = "auto"``, resolved once before any group.
+
+``"auto"`` is in-process recovery (docs/recovery-inprocess.md) wherever it is
+known to work, and the restart path everywhere else:
+
+===========================  ===============================================
+needs                        why
+===========================  ===============================================
+our torchrun plugin          the survivors agree on the next group in the
+(:data:`ETCD_ENV` is set)    rendezvous' etcd; without torchrun, or with
+                             another rendezvous, there is no etcd to ask
+a rendezvous secret          every value in etcd is signed (or the
+(or ``insecure=1``)          rendezvous runs insecure on purpose)
+DDP, global batches          a step that does not depend on the world size
+                             (the in-process path re-splits the same batch)
+gloo                         NCCL's communicator abort has not been run on
+                             a GPU by our tests yet
+===========================  ===============================================
+
+Every worker of a job resolves the same way: the inputs are the job's config
+and the plugin's hand-over, which are the same on every node, and the backend,
+which is the same on every node of a job that can run at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from elastic_train.config.job import JobConfig
+from elastic_train.log import get_logger
+from elastic_train.training.membership import ETCD_ENV, EtcdAccess
+
+log = get_logger(__name__)
+
+
+def restart_reason(
+    cfg: JobConfig, *, backend: str, environ: Mapping[str, str] = os.environ
+) -> str | None:
+    """Why ``"auto"`` runs the restart path for this worker; None: in process."""
+    if (cfg.training.parallel, cfg.training.batch_mode) != ("ddp", "global"):
+        return (
+            f"training.parallel = {cfg.training.parallel!r} and training.batch_mode = "
+            f"{cfg.training.batch_mode!r} (in process needs 'ddp' and 'global')"
+        )
+    if backend != "gloo":
+        return f"the {backend} backend (in process runs gloo only, until tested on GPUs)"
+    access = EtcdAccess.find(environ)
+    if access is None:
+        return f"not started by torchrun with the etcd rendezvous ({ETCD_ENV} is unset)"
+    if not access.signs(environ):
+        return "no rendezvous secret reached the worker"
+    return None
+
+
+def resolve_recovery(
+    cfg: JobConfig, *, backend: str, environ: Mapping[str, str] = os.environ
+) -> JobConfig:
+    """``cfg`` with ``elastic.recovery`` "restart" or "inprocess" (``"auto"`` decided)."""
+    if cfg.elastic.recovery != "auto":
+        return cfg
+    reason = restart_reason(cfg, backend=backend, environ=environ)
+    mode = "restart" if reason else "inprocess"
+    log.info("recovery_mode", mode=mode, requested="auto", **({"reason": reason} if reason else {}))
+    elastic = dataclasses.replace(cfg.elastic, recovery=mode)
+    return dataclasses.replace(cfg, elastic=elastic)
