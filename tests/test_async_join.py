@@ -32,7 +32,7 @@ from elastic_train.rendezvous.side_round import ASYNC_JOIN_ENV, attach_side_roun
 from elastic_train.torchrun_plugin import inprocess_etcd_env
 from elastic_train.training.admission import ASYNC_JOIN_ENV as WORKER_ENV
 from elastic_train.training.admission import JoinTicket, JoinWatch
-from elastic_train.training.membership import ETCD_ENV, EtcdAccess, Membership
+from elastic_train.training.membership import ETCD_ENV, HEAD_SILENCE_S, EtcdAccess, Membership
 
 # -- the side round -------------------------------------------------------------------
 
@@ -174,9 +174,60 @@ def test_a_joiner_leaves_when_the_group_stops_answering(
         joiner.request_join()
         started = time.monotonic()
         with pytest.raises(InProcessRecoveryError, match="stopped answering"):
-            joiner.await_admission(after=0, deadline=started + 120, head=lambda: False)
+            joiner.await_admission(after=0, deadline=started + 120, head=lambda: False,
+                                   silence_s=2.0)  # fmt: skip
         assert time.monotonic() - started < 60  # long before its deadline
+        assert HEAD_SILENCE_S < 60  # and so is the default silence
     finally:
+        joiner.close()
+
+
+def test_a_joiner_waits_out_a_group_that_is_silent_while_it_re_forms(
+    access: EtcdAccess, group: tuple[Membership, Membership]
+) -> None:
+    # The ticket's head died and the group is re-forming: silent for a while, then
+    # its new rank 0 answers. The joiner must still be there to be admitted.
+    head, _ = group
+    joiner = _member(access, "node2", lineage=head.lineage, joined=True)
+    try:
+        joiner.request_join()
+        started = time.monotonic()
+        speaks = lambda: time.monotonic() > started + 3.5  # noqa: E731
+        with pytest.raises(InProcessRecoveryError, match="stopped answering"):
+            joiner.await_admission(after=0, deadline=started + 60, head=speaks, silence_s=1.0)
+        admitting = threading.Timer(5.0, head.admit, args=([joiner.me],),
+                                    kwargs={"propose": True, "deadline": started + 60})  # fmt: skip
+        admitting.start()
+        gen = joiner.await_admission(after=0, deadline=started + 60, head=speaks, silence_s=10.0)
+        admitting.join()
+        assert gen.number == 1 and joiner.me.id in {m.id for m in gen.members}
+        assert time.monotonic() - started >= 5.0  # it was silent, then admitted
+    finally:
+        joiner.close()
+
+
+def test_the_marker_tells_a_joiner_where_its_group_answers_now(
+    access: EtcdAccess, group: tuple[Membership, Membership]
+) -> None:
+    head, other = group
+    joiner = _member(access, "node2", lineage=head.lineage, joined=True)
+    client = access.client()
+    codec = access.codec()
+    try:
+        assert not joiner.marker_answers(timeout=1.0)  # no marker yet
+        # Old rank 0 is gone; the group re-formed and its new rank 0 published itself.
+        moved = ActiveGroup(head.lineage, 1, 1, other.me.host, other.me.ping_port)
+        write_active(client, codec, access.prefix, moved)
+        assert joiner.marker_answers(timeout=1.0)
+        # Another lineage's group (after the restart path) admits nobody of this one.
+        write_active(client, codec, access.prefix,
+                     ActiveGroup("another", 0, 1, other.me.host, other.me.ping_port))  # fmt: skip
+        assert not joiner.marker_answers(timeout=1.0)
+        write_active(client, codec, access.prefix, moved)
+        other.close()  # and this head dies too
+        assert not joiner.marker_answers(timeout=1.0)
+    finally:
+        client.close()
         joiner.close()
 
 

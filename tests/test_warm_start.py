@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from steered_runs import Pace, run_steered
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from trainer_procs import TINY_JOB
 
@@ -383,26 +384,28 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
     """``elastic-train local`` (etcd backend, warm start by default): node1 is killed and
     joins again, and node0's zygote is killed once it forked node0's first worker.
     Every worker start of every node goes through a zygote (node0's agent replaces
-    its dead one before the next round) and the data is still seen exactly once."""
-    run, summary_path = tmp_path / "run", tmp_path / "summary.json"
+    its dead one before the next round) and the data is still seen exactly once.
+    The forwards pause 0.1 s until both nodes train again (``steered_runs``): on a
+    loaded machine a late rejoin still lands before the last step."""
+    run = tmp_path / "run"
+    pace = Pace(tmp_path / "pause", 0.1)
+    killed: list[psutil.Process] = []
+
+    def kill_zygote() -> None:
+        if not killed and (zygote := _forked_zygote(run, "node0")) is not None:
+            zygote.kill()
+            killed.append(zygote)
+
     command = [
-        sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2",
-        "--chaos", "kill:1@step6,join:1@step12", "--json", str(summary_path),
-        "--run-dir", str(run), "--quiet", "--timeout", "150",
-        "--metrics-port", "0", "--data.name=synthetic", "--data.num_samples=96",
-        "--training.global_batch_size=16", f"--training.steps={E2E_STEPS}",
-        "--checkpoint.interval_steps=4", "--model.name=tests.paced_model:paced_mlp",
-        "--model.options.seconds=0.1",
+        "--nodes", "2", "--chaos", "kill:1@step6,join:1@step12", "--run-dir", str(run),
+        "--timeout", "150", "--metrics-port", "0", "--data.name=synthetic",
+        "--data.num_samples=96", "--training.global_batch_size=16",
+        f"--training.steps={E2E_STEPS}", "--checkpoint.interval_steps=4",
+        "--model.name=tests.steered_model:steered", f"--model.options.pause_file={pace.path}",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
-    runner = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        _node_zygote(run, "node0", runner).kill()
-        _, err = runner.communicate(timeout=200)
-    finally:
-        runner.kill()
-    assert summary_path.is_file(), err[-3000:]
-    summary = json.loads(summary_path.read_text())
+    summary = run_steered(run, command, pace=pace, nodes=2, env=env, on_tick=kill_zygote)
+    assert killed, "node0's zygote never forked a worker"
     assert summary["completed"] and summary["final_step"] == E2E_STEPS, summary
     assert summary["exactly_once"], summary["exactly_once_detail"]
     assert [(r["kind"], r["world_size_after"]) for r in summary["recoveries"]] == [
@@ -420,18 +423,17 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
     assert len(_events(logs["node0"], "warm_start_zygote_died")) == 1
 
 
-def _node_zygote(run: Path, node: str, runner: subprocess.Popen[str]) -> psutil.Process:
-    """A node's zygote, once it forked the node's first worker (polled)."""
-    deadline, log = time.monotonic() + 120, run / "logs" / f"{node}.log"
-    while not (log.is_file() and _events(log, "warm_start_forked")):
-        assert runner.poll() is None and time.monotonic() < deadline, "no warm start"
-        time.sleep(0.1)
+def _forked_zygote(run: Path, node: str) -> psutil.Process | None:
+    """A node's zygote once it forked the node's first worker; None before."""
+    log = run / "logs" / f"{node}.log"
+    if not (log.is_file() and _events(log, "warm_start_forked")):
+        return None
     for proc in psutil.process_iter(["name", "environ"]):
         env = proc.info["environ"] or {}
         ours = env.get("ELASTIC_TRAIN_METRICS_DIR", "").startswith(str(run))
         if ours and proc.info["name"] == ZYGOTE_NAME and env.get("ELASTIC_TRAIN_NODE") == node:
             return proc
-    raise AssertionError(f"no zygote of {node}")
+    raise AssertionError(f"{node} forked a worker warm, but no zygote of it is running")
 
 
 @pytest.mark.slow

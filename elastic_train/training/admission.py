@@ -166,9 +166,12 @@ def enter(t: Trainer, ticket: JoinTicket) -> None:
         ip.membership.request_join()
         abort_group(t)  # the side round's group: this worker alone until now
         deadline = time.monotonic() + t.cfg.elastic.inprocess_join_timeout_seconds
+        # The ticket's head may die before the admission (a join during a recovery):
+        # the group's new rank 0 answers then, at the address the marker names.
         gen = ip.membership.await_admission(
             after=ticket.generation, deadline=deadline,
-            head=lambda: answers(ticket.host, ticket.ping_port, timeout=ip.probe_seconds),
+            head=lambda: answers(ticket.host, ticket.ping_port, timeout=ip.probe_seconds)
+            or ip.membership.marker_answers(timeout=ip.probe_seconds),
         )  # fmt: skip
         admitted = time.perf_counter()
         _, timings = regroup(t, first=gen, joining=True)

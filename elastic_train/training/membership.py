@@ -47,6 +47,7 @@ from elastic_train.etcd.group_marker import (
     PING,
     PONG,
     ActiveGroup,
+    alive_group,
     answers,
     clear_active,
     write_active,
@@ -61,6 +62,11 @@ log = get_logger(__name__)
 ETCD_ENV = "ELASTIC_TRAIN_INPROCESS_ETCD"
 #: Seconds between two reads of etcd while waiting for peers' registrations.
 _POLL_S = 0.02
+#: Seconds a joiner waits for a running group that does not answer before it leaves
+#: for the restart path. A group that lost its head answers again once it re-formed
+#: and its new rank 0 published the marker at its next step boundary; a recovery
+#: that first waits out a step timeout (at least 5 s by default) takes that long.
+HEAD_SILENCE_S = 15.0
 
 
 T = TypeVar("T")
@@ -384,6 +390,16 @@ class Membership:
         """This lineage ends (finished, or the restart path): no more joins to it."""
         clear_active(self._client, self._codec, self.access.prefix, self._lineage)
 
+    def marker_answers(self, *, timeout: float) -> bool:
+        """Whether this lineage's group answers at the head its marker names now: a group
+        that re-formed without its old rank 0 answers at the new one's."""
+        try:
+            group = alive_group(self._client, self._codec, self.access.prefix, timeout=timeout)
+        except ElasticTrainError as exc:  # etcd's: not an answer, the next look asks again
+            log.warning("inprocess_marker_unreadable", error=str(exc))
+            return False
+        return group is not None and group.lineage == self._lineage
+
     def request_join(self) -> None:
         self._put(f"{self._root}/joins/{self.me.id}", asdict(self.me))
 
@@ -427,13 +443,15 @@ class Membership:
         return self._adopt(number, members)
 
     def await_admission(
-        self, *, after: int, deadline: float, head: Callable[[], bool]
-    ) -> Generation:
+        self, *, after: int, deadline: float, head: Callable[[], bool],
+        silence_s: float = HEAD_SILENCE_S,
+    ) -> Generation:  # fmt: skip
         """The joiner: the first generation after ``after`` that holds this worker.
         ``head()`` is asked about once a second whether the group still answers: a
-        group that went to the restart path admits nobody, so the joiner goes too."""
+        group that went to the restart path admits nobody, so the joiner goes too
+        once it has not answered for ``silence_s``."""
         prefix = f"{self._root}/gen/".encode()
-        next_look = time.monotonic() + 1.0
+        next_look = answered = time.monotonic()
         while True:
             kvs, _ = self._client.get_prefix(prefix)
             for kv in sorted(kvs, key=lambda kv: kv.key):
@@ -447,10 +465,12 @@ class Membership:
                     f"not admitted to the running group (lineage {self._lineage}) in time"
                 )
             if now > next_look:
-                if not head():
+                if head():
+                    answered = now
+                elif now - answered > silence_s:
                     raise InProcessRecoveryError(
                         f"the running group (lineage {self._lineage}) stopped answering "
-                        "before it admitted this worker"
+                        f"for {now - answered:.0f}s before it admitted this worker"
                     )
                 next_look = now + 1.0
             time.sleep(_POLL_S * 5)
