@@ -4,6 +4,14 @@ last step and compared with a fault-free run.
 
     python -m benchmarks.goodput_long --faults 1000                   # hours
     python -m benchmarks.goodput_long --faults 50                     # results/goodput_long.json
+    python -m benchmarks.goodput_long --faults 1000 --steps 220000 --gap-steps 10 \
+        --pace-ms 20 --hidden-size 16 --recovery inprocess            # loss stays off zero
+
+``--hidden-size 16`` keeps the loss of the synthetic task around 1 for hundreds of
+thousands of steps, so the final loss and parameters can be compared (a wide MLP
+memorises the data and reaches a loss of 1e-9, where Adam's update is float noise).
+``--pace-ms`` sleeps in every step of the soak: fewer steps a second, so the
+fault-free run of the same steps (which does not sleep) takes minutes, not hours.
 
 Each event waits for the previous one's recovery (a step at the expected world
 size) and then ``--gap-steps`` more steps, so faults come as fast as the job
