@@ -166,51 +166,48 @@ def test_rank0_admits_the_live_joiners_up_to_the_node_limit(
             member.close()
 
 
-def test_a_joiner_leaves_when_the_group_stops_answering(
-    access: EtcdAccess, group: tuple[Membership, Membership]
-) -> None:
-    joiner = _member(access, "node2", lineage=group[0].lineage, joined=True)
-    try:
-        joiner.request_join()
-        started = time.monotonic()
-        with pytest.raises(InProcessRecoveryError, match="stopped answering"):
-            joiner.await_admission(after=0, deadline=started + 120, head=lambda: False,
-                                   silence_s=2.0)  # fmt: skip
-        assert time.monotonic() - started < 60  # long before its deadline
-        assert HEAD_SILENCE_S < 60  # and so is the default silence
-    finally:
-        joiner.close()
+@pytest.fixture
+def joiner(access: EtcdAccess, group: tuple[Membership, Membership]) -> Iterator[Membership]:
+    """node2, entering the running ``group`` (it has not asked yet)."""
+    member = _member(access, "node2", lineage=group[0].lineage, joined=True)
+    yield member
+    member.close()
+
+
+def test_a_joiner_leaves_when_the_group_stops_answering(joiner: Membership) -> None:
+    joiner.request_join()
+    started = time.monotonic()
+    with pytest.raises(InProcessRecoveryError, match="stopped answering"):
+        joiner.await_admission(after=0, deadline=started + 120, head=lambda: False,
+                               silence_s=2.0)  # fmt: skip
+    assert time.monotonic() - started < 60  # long before its deadline
+    assert HEAD_SILENCE_S < 60  # and so is the default silence
 
 
 def test_a_joiner_waits_out_a_group_that_is_silent_while_it_re_forms(
-    access: EtcdAccess, group: tuple[Membership, Membership]
+    group: tuple[Membership, Membership], joiner: Membership
 ) -> None:
     # The ticket's head died and the group is re-forming: silent for a while, then
     # its new rank 0 answers. The joiner must still be there to be admitted.
     head, _ = group
-    joiner = _member(access, "node2", lineage=head.lineage, joined=True)
-    try:
-        joiner.request_join()
-        started = time.monotonic()
-        speaks = lambda: time.monotonic() > started + 3.5  # noqa: E731
-        with pytest.raises(InProcessRecoveryError, match="stopped answering"):
-            joiner.await_admission(after=0, deadline=started + 60, head=speaks, silence_s=1.0)
-        admitting = threading.Timer(5.0, head.admit, args=([joiner.me],),
-                                    kwargs={"propose": True, "deadline": started + 60})  # fmt: skip
-        admitting.start()
-        gen = joiner.await_admission(after=0, deadline=started + 60, head=speaks, silence_s=10.0)
-        admitting.join()
-        assert gen.number == 1 and joiner.me.id in {m.id for m in gen.members}
-        assert time.monotonic() - started >= 5.0  # it was silent, then admitted
-    finally:
-        joiner.close()
+    joiner.request_join()
+    started = time.monotonic()
+    speaks = lambda: time.monotonic() > started + 3.5  # noqa: E731
+    with pytest.raises(InProcessRecoveryError, match="stopped answering"):
+        joiner.await_admission(after=0, deadline=started + 60, head=speaks, silence_s=1.0)
+    admitting = threading.Timer(5.0, head.admit, args=([joiner.me],),
+                                kwargs={"propose": True, "deadline": started + 60})  # fmt: skip
+    admitting.start()
+    gen = joiner.await_admission(after=0, deadline=started + 60, head=speaks, silence_s=10.0)
+    admitting.join()
+    assert gen.number == 1 and joiner.me.id in {m.id for m in gen.members}
+    assert time.monotonic() - started >= 5.0  # it was silent, then admitted
 
 
 def test_the_marker_tells_a_joiner_where_its_group_answers_now(
-    access: EtcdAccess, group: tuple[Membership, Membership]
+    access: EtcdAccess, group: tuple[Membership, Membership], joiner: Membership
 ) -> None:
     head, other = group
-    joiner = _member(access, "node2", lineage=head.lineage, joined=True)
     client = access.client()
     codec = access.codec()
     try:
@@ -228,7 +225,6 @@ def test_the_marker_tells_a_joiner_where_its_group_answers_now(
         assert not joiner.marker_answers(timeout=1.0)
     finally:
         client.close()
-        joiner.close()
 
 
 # -- end to end ------------------------------------------------------------------------

@@ -126,20 +126,22 @@ class EtcdAccess:
             )
         return access
 
+    def _secret(self, environ: Mapping[str, str]) -> bytes | None:
+        """The job secret from ``secret_file``, else the environment; None when none
+        reached the worker, a ConfigError when it is there but unusable."""
+        try:
+            return read_job_secret(self.secret_file, environ)
+        except ValueError as exc:
+            raise ConfigError(f"elastic.recovery: {exc}") from exc
+
     def signs(self, environ: Mapping[str, str] = os.environ) -> bool:
         """Whether a secret reached the worker, or the rendezvous runs insecure on purpose;
         a ConfigError for a secret that is there but unusable (unreadable, too short)."""
-        try:
-            return self.insecure or read_job_secret(self.secret_file, environ) is not None
-        except ValueError as exc:
-            raise ConfigError(f"the rendezvous secret: {exc}") from exc
+        return self.insecure or self._secret(environ) is not None
 
     def codec(self, environ: Mapping[str, str] = os.environ) -> ValueCodec:
         """The job's codec: the secret from ``secret_file``, else the environment."""
-        try:
-            secret = read_job_secret(self.secret_file, environ)
-        except ValueError as exc:
-            raise ConfigError(f"elastic.recovery = 'inprocess': {exc}") from exc
+        secret = self._secret(environ)
         if secret is None and not self.insecure:
             raise ConfigError(
                 "elastic.recovery = 'inprocess': no rendezvous secret reached the worker "
