@@ -19,6 +19,8 @@ window): ``--competitors ours,c10d-tuned,ours-no-checkpoint``.
 The node agent writing them instead of a thread of rank 0
 (``checkpoint.writer = "agent"``), against plain DDP and the trainer writer,
 pair by pair: ``--competitors ours-agent-writer,c10d-tuned,ours``.
+What in-process recovery (the default) costs while nothing fails, against the
+restart path: ``--competitors ours,ours-restart,c10d-tuned``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ VARIANTS = {
     "ours-no-checkpoint": ("--checkpoint.interval_steps=0",),
     # The disk checkpoint written by the node agent from the snapshot (#20 item 4).
     "ours-agent-writer": ("--checkpoint.writer=agent",),
+    # The restart path: what in-process recovery (the default) costs while nothing fails.
+    "ours-restart": ("--elastic.recovery=restart",),
 }
 TARGET_SNAPSHOT_LOSS = 0.02
 TARGET_RATIO = 0.99

@@ -103,6 +103,12 @@ LAST_STEP_TIME = Gauge(
 RESTARTS = Counter(
     "elastic_train_restarts", "Restarts of this node's worker group (re-rendezvous).", _NODE
 )
+REGROUPS = Counter(
+    "elastic_train_inprocess_regroups",
+    "Process groups this node re-formed in place, without a restart (in-process recovery): "
+    "cause=failure after a peer's failure, cause=join to admit a node.",
+    ("node", "cause"),
+)
 RDZV_ROUNDS = Counter(
     "elastic_train_rendezvous_rounds", "Rendezvous rounds this node completed.", _NODE
 )
@@ -114,7 +120,7 @@ RDZV_SECONDS = Histogram(
 )
 NODES = Gauge(
     "elastic_train_nodes",
-    "Nodes in this node's current rendezvous round; 0 while between rounds.",
+    "Nodes in this node's current rendezvous round, or in-process group; 0 between rounds.",
     _NODE,
     multiprocess_mode="mostrecent",
 )
@@ -132,7 +138,8 @@ MAX_NODES = Gauge(
 )
 RECOVERY_SECONDS = Histogram(
     "elastic_train_recovery_seconds",
-    "From the agent starting to recover (re-rendezvous) to the first step after resume.",
+    "From the start of a recovery (the agent's re-rendezvous, or an in-process re-form) "
+    "to the first step after it.",
     _NODE,
     buckets=_SLOW,
 )
@@ -399,6 +406,8 @@ class WorkerMetrics:
             CKPT_FAILURES.labels(node)
         if local_rank == 0:
             RECOVERY_SECONDS.labels(node)
+            for cause in ("failure", "join"):
+                REGROUPS.labels(node, cause)
         self._resources = ResourceSampler(local_rank=local_rank, interval=resource_interval)
         self._resources.start()
 
@@ -461,6 +470,15 @@ class WorkerMetrics:
         for name, value in metrics.items():
             if value is not None:
                 EVAL.labels(node_name(), name).set(value)
+
+    def regrouped(self, *, cause: str, started_at: float, nodes: int) -> None:
+        """The group was re-formed in place with ``nodes`` nodes (``cause``: "failure"
+        or "join"), a recovery that began at Unix time ``started_at`` and ends at the
+        next step."""
+        if self.local_rank == 0:
+            REGROUPS.labels(node_name(), cause).inc()
+            NODES.labels(node_name()).set(nodes)  # no round ran: the agent's value is old
+        self.recovery_started_at = started_at
 
     def resumed(self, *, restored_step: int, lost_steps: int) -> None:
         """State was restored at ``restored_step``; ``lost_steps`` done steps will be redone."""

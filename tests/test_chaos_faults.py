@@ -238,7 +238,8 @@ def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None
 def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> None:
     """The etcd leader dies during training (and comes back), a worker is
     SIGSTOPped, the survivor's watchdog ends its blocked collective, and the
-    leader dies again during the rendezvous that follows."""
+    leader dies again during the rendezvous that follows (the restart path: in
+    process, a step timeout ends the collective first, tests/test_inprocess_faults.py)."""
     etcd = _etcd_cluster(tmp_path / "etcd").start()
     killed: list[str] = []
 
@@ -277,7 +278,7 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
     scenario = Scenario(
         tmp_path / "run", steps=120, rdzv_endpoint=etcd.endpoints, exit_wait_s=2.0, grace_s=1.0,
         args=("elastic.watchdog_floor_seconds=3", "elastic.watchdog_multiple=5",
-              "elastic.pg_timeout_seconds=120"),
+              "elastic.pg_timeout_seconds=120", "elastic.recovery=restart"),
     )  # fmt: skip
     try:
         summary = scenario.run(script)

@@ -124,6 +124,7 @@ def test_ctrl_c_stops_every_process_of_the_run(tmp_path: Path) -> None:
     # Helpers other tests left running (a forkserver and its resource tracker).
     earlier = {p.pid for p in psutil.Process().children(recursive=True)}
     runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs: list[psutil.Process] = []
     try:
         audit = tmp_path / "audit"
         # Training is under way once both nodes' workers have recorded a step.
@@ -137,11 +138,20 @@ def test_ctrl_c_stops_every_process_of_the_run(tmp_path: Path) -> None:
         assert sum("torch.distributed.run" in n for n in names) == 2
         assert sum("main.py" in n and "torch.distributed.run" not in n for n in names) == 2
         assert sum("etcd" in p.name() for p in procs) == 1
+        # What the runner does with SIGINT, for the message if it does not stop.
+        status = Path(f"/proc/{runner.pid}/status").read_text()
+        signals = [line for line in status.splitlines() if line.startswith(("Sig", "Shd"))]
         runner.send_signal(signal.SIGINT)
-        _, err = runner.communicate(timeout=60)
+        try:
+            _, err = runner.communicate(timeout=60)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"the runner ignored SIGINT for 60 s: {signals}") from exc
     finally:
-        if runner.poll() is None:
-            runner.kill()
+        if runner.poll() is None:  # its nodes too: left running, they would load later tests
+            for proc in [psutil.Process(runner.pid), *procs]:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            runner.wait()
     assert runner.returncode == EXIT_INTERRUPTED, err[-3000:]
     assert proctree.alive(procs) == []
     leftovers = [p for p in _run_processes(psutil.Process(), tmp_path) if p.pid not in earlier]

@@ -51,8 +51,10 @@ TRAINER_ARGS = [
 # -- the switch -------------------------------------------------------------------
 
 
-def test_the_switch_defaults_to_restart_and_names_itself_when_wrong() -> None:
-    assert load_config(None, []).elastic.recovery == "restart"
+def test_the_switch_defaults_to_auto_and_names_itself_when_wrong() -> None:
+    assert load_config(None, []).elastic.recovery == "auto"
+    # "auto" picks the restart path for what in process cannot run, so it loads
+    assert load_config(None, ["training.batch_mode=per_worker"]).elastic.recovery == "auto"
     with pytest.raises(ConfigError, match=r"elastic\.recovery"):
         load_config(None, ["elastic.recovery=inplace"])
     with pytest.raises(ConfigError, match=r"elastic\.recovery.*batch_mode"):
@@ -237,3 +239,42 @@ def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     assert [(e["agents"], e["present"], e["departed"]) for e in released] == [(3, 1, 2)]
     # The reference: one process (forked), no torchrun, no faults, no pause file.
     assert_ends_like(summary, run_dir, tmp_path / "reference", TRAINER_ARGS)
+
+
+@pytest.mark.slow
+def test_a_kill_during_an_evaluation_re_forms_the_group_and_evaluates_again(
+    tmp_path: Path,
+) -> None:
+    """Evaluation runs collectives between steps: a peer killed during one is a failure
+    like one inside a step. The survivor re-forms at world 1 in the same process and
+    evaluates the step again; nothing is rolled back (no step was in flight)."""
+    run_dir = tmp_path / "run"
+    pace = Pace(tmp_path / "pause", 0.1)
+    tail = AuditTail(run_dir / "audit")
+
+    def tick() -> None:  # the world of 1 trains: the fault is over
+        if any(isinstance(r, StepRecord) and r.world_size == 1 for r in tail.poll()):
+            pace.set(0.0)
+
+    # 24 evaluation batches of 4 (12 a rank), each forward paused 0.1 s: the evaluation
+    # after step 8 lasts over a second, and the kill due at step 8 lands inside it.
+    eval_args = ["--eval.every_steps=8", "--eval.batch_size=4"]
+    command = [
+        "--nodes", "2", "--min-nodes", "1", "--chaos", "kill:1@step8",
+        "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
+        "--rdzv-conf", "last_call_timeout=20", f"--model.options.pause_file={pace.path}",
+        *TRAINER_ARGS, *eval_args,
+    ]  # fmt: skip
+    summary = run_steered(run_dir, command, pace=pace, nodes=0, on_tick=tick)
+    assert summary["completed"] and summary["final_step"] == STEPS, summary
+    assert summary["exactly_once"], summary["exactly_once_detail"]
+    node0 = run_dir / "logs" / "node0.log"
+    (started,) = log_events(node0, "inprocess_recovery_started")
+    assert started["error"].startswith("evaluation: "), started
+    (recovered,) = log_events(node0, "inprocess_recovered")
+    assert (recovered["step"], recovered["world_size"], recovered["lost_steps"]) == (8, 1, 0)
+    evaluations = [(e["step"], e["world_size"]) for e in log_events(node0, "evaluation")]
+    assert evaluations[0] == (8, 1), evaluations  # the evaluation at step 8, done again
+    starts = {name.split("-")[1]: s for name, s in resumes_by_process(run_dir).items()}
+    assert starts["node0"][1:] == [("inprocess", 1)], starts  # one process, never restarted
+    assert_ends_like(summary, run_dir, tmp_path / "reference", [*TRAINER_ARGS, *eval_args])

@@ -2,7 +2,7 @@
 
 Real ``elastic-train local`` nodes (torchrun agents, an embedded etcd), real
 SIGKILL and SIGSTOP from the chaos schedule, in both recovery modes: the
-restart path (the default) and ``--elastic.recovery=inprocess``.
+restart path (``--elastic.recovery=restart``) and in process.
 
 One run of five nodes (and node5, which joins) per mode holds the faults:
 

@@ -27,7 +27,10 @@ from elastic_train.state.snapshot import SnapshotStore
 
 STEPS = 96  # 6 epochs of 16 steps
 #: A disk checkpoint every 10 steps: a restore from disk would lose up to 9.
-ARGS = ("checkpoint.interval_steps=10", "elastic.snapshot_every_steps=1")
+#: Snapshots serve the restart path: in process, the survivors keep the state in
+#: memory (tests/test_inprocess*.py).
+RESTART = "elastic.recovery=restart"
+ARGS = ("checkpoint.interval_steps=10", "elastic.snapshot_every_steps=1", RESTART)
 SHM = Path("/dev/shm")
 
 
@@ -215,7 +218,7 @@ def test_a_failed_step_is_snapshotted_before_the_survivors_exit(
     """Periodic snapshots only every 1000 steps and a disk checkpoint every 10:
     only the survivors' snapshot of the last step completed before the peer's
     death broke the all-reduce keeps the loss to at most one step."""
-    args = ("checkpoint.interval_steps=10", "elastic.snapshot_every_steps=1000")
+    args = ("checkpoint.interval_steps=10", "elastic.snapshot_every_steps=1000", RESTART)
     scenario = Scenario(tmp_path / "run", steps=STEPS, nodes=3, args=args)
 
     def script(s: Scenario) -> None:

@@ -94,6 +94,9 @@ def test_restart_writes_no_duplicate_or_backwards_steps(tmp_path: Path) -> None:
         # A logged step needs the global loss, agreed at check steps: about every
         # 0.25 s by default, every step here, so every step reaches the trackers.
         "--elastic.preemption_check_every=1",
+        # the restart path resumes behind the steps the trackers saw (in process
+        # rolls back at most the step in flight, which no tracker saw)
+        "--elastic.recovery=restart",
     ]  # fmt: skip
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
     assert summary_path.is_file(), proc.stderr[-3000:]

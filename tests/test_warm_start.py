@@ -402,6 +402,8 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
         "--data.num_samples=96", "--training.global_batch_size=16",
         f"--training.steps={E2E_STEPS}", "--checkpoint.interval_steps=4",
         "--model.name=tests.steered_model:steered", f"--model.options.pause_file={pace.path}",
+        # node0's restarts are the zygote's work here (in process, node0 never restarts)
+        "--elastic.recovery=restart",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
     summary = run_steered(run, command, pace=pace, nodes=2, env=env, on_tick=kill_zygote)

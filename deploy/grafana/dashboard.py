@@ -174,21 +174,34 @@ def _elasticity() -> list[dict[str, Any]]:
               [target(f"max(elastic_train_nodes{{{JOB}}})", "nodes in round"),
                target(f"max(elastic_train_min_nodes{{{JOB}}})", "min nodes")],
               unit="suffix: nodes"),
-        panel("Restarts",
-              [target(f"max by (node) (elastic_train_restarts_total{{{SEL}}})", "{{node}}")],
-              unit="suffix: restarts", width=8,
-              description="Worker-group restarts since each agent started."),
+        panel("Restarts and in-process re-forms",
+              [target(f"max by (node) (elastic_train_restarts_total{{{SEL}}})",
+                      "{{node}} restarts"),
+               target(f"sum by (node, cause) "
+                      f"(elastic_train_inprocess_regroups_total{{{SEL}}})",
+                      "{{node}} in process ({{cause}})")],
+              unit="suffix: events", width=8,
+              description="Worker-group restarts since each agent started, and groups "
+              "re-formed in place (in-process recovery) after a failure or for a join."),
         panel("Rendezvous rounds",
               [target(f"max by (node) (elastic_train_rendezvous_rounds_total{{{SEL}}})",
                       "{{node}}")],
               unit="suffix: rounds", width=8),
         panel("Rendezvous duration",
-              [target(mean("elastic_train_rendezvous_duration_seconds"), "{{node}} mean")],
-              unit="s", width=8, description=f"{WINDOW} means."),
+              [target(mean("elastic_train_rendezvous_duration_seconds"), "{{node}} mean"),
+               target(f"sum by (node) (elastic_train_rendezvous_duration_seconds_sum{{{SEL}}})"
+                      f" / sum by (node) "
+                      f"(elastic_train_rendezvous_duration_seconds_count{{{SEL}}})",
+                      "{{node}} mean since start")],
+              unit="s", width=8,
+              description=f"{WINDOW} means, and the mean since each agent started: with "
+              "in-process recovery a round is rare (a node's start, a restart), so a "
+              f"{WINDOW} window is often empty."),
         panel("Recovery time",
               [target(mean("elastic_train_recovery_seconds"), "{{node}} mean")],
               unit="s",
-              description=f"From the agent starting to recover to the first step after; "
+              description=f"From a recovery's start (the agent's re-rendezvous, or an "
+              f"in-process re-form) to the first step after; "
               f"{WINDOW} means. Each recovery is also an annotation."),
         panel("Lost steps",
               [target(f"sum(elastic_train_lost_steps_total{{{JOB}}})", "lost steps (total)"),

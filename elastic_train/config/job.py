@@ -277,12 +277,13 @@ class ElasticConfig:
     snapshot_on_failure: bool = True
     #: Most MiB the two snapshot slots of a node may take; 0: the free space of /dev/shm.
     snapshot_max_mib: float = 0.0
-    #: After a peer's failure: "restart" (every worker exits, torchrun's agent
-    #: restarts the group), "inprocess" (survivors re-form the group through
-    #: etcd without a restart; needs the etcd rendezvous, docs/recovery-inprocess.md)
-    #: or "auto": in process where that is known to work, else restart
-    #: (training/recovery_mode.py lists the conditions; the log says which ran).
-    recovery: Literal["restart", "inprocess", "auto"] = "restart"
+    #: After a peer's failure: "auto" (the default): in process where that is
+    #: known to work, else restart (training/recovery_mode.py lists the
+    #: conditions; the log line ``recovery_mode`` says which ran); "inprocess"
+    #: (survivors re-form the group through etcd without a restart; needs our
+    #: etcd rendezvous, docs/recovery-inprocess.md) or "restart" (every worker
+    #: exits and torchrun's agent restarts the group).
+    recovery: Literal["restart", "inprocess", "auto"] = "auto"
     #: In-process recovery: re-forms tried per failure (a peer failing during one
     #: adds one), and failures in a row without a completed step, before the worker
     #: exits to the restart path.

@@ -216,7 +216,7 @@ def admit(t: Trainer) -> None:
     """Every member, at the same step: form generation ``g + 1`` with the joiners."""
     ip = t.inprocess
     assert ip is not None
-    started = time.perf_counter()
+    started, began = time.perf_counter(), time.time()
     old_world, old_ids = t.ctx.world_size, {m.id for m in ip.membership.current.members}  # type: ignore[union-attr]
     joiners: list[Member] = []
     if ip.joins is not None:
@@ -231,6 +231,7 @@ def admit(t: Trainer) -> None:
     except MemberLostError as exc:  # rank 0 died before it proposed: a failure like any
         recover(t, f"{type(exc).__name__}: {exc}")
         return
+    t.metrics.regrouped(cause="join", started_at=began, nodes=gen.nodes)
     log.info(
         "inprocess_admitted", step=t.step, generation=gen.number,
         joiners=[m.id for m in gen.members if m.id not in old_ids], world_size=t.ctx.world_size,

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -311,6 +311,7 @@ def recover(t: Trainer, failure: str) -> None:
     # From the failed step's start: an upper bound of the detection, which cannot
     # see the moment the peer died (the runner measures kill -> first step).
     detection_s = time.perf_counter() - t.step_started_at
+    began = time.time()
     step_timeout_s = ip.timeout.short_s or ip.timeout.full_s  # the failed step's
     log.warning("inprocess_recovery_started", step=t.step, error=failure[:300],
                 step_timeout_s=round(step_timeout_s, 3))  # fmt: skip
@@ -324,6 +325,9 @@ def recover(t: Trainer, failure: str) -> None:
     ip.recoveries += 1
     lost = max(0, in_flight - t.step)
     t.metrics.resumed(restored_step=t.step, lost_steps=lost)
+    gen = ip.membership.current
+    assert gen is not None
+    t.metrics.regrouped(cause="failure", started_at=began, nodes=gen.nodes)
     log.info(
         "inprocess_recovered", step=t.step, lost_steps=lost, world_size=t.ctx.world_size,
         rank=t.ctx.rank, attempt=t.attempt, detection_s=round(detection_s, 4), **timings,
@@ -354,3 +358,21 @@ def run_step_or_recover(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> S
     # must close for the survivors still blocked on this rank to notice.
     recover(t, error)
     return StepOutcome(signalled=None, epoch_ended=False)
+
+
+_T = TypeVar("_T")
+
+
+def collective_or_recover(t: Trainer, call: Callable[[], _T], *, what: str) -> _T:
+    """``call``, collectives between steps (an evaluation); with in-process recovery
+    on, a peer's failure during it re-forms the group and ``call`` runs again at
+    the new size. No step is in flight between steps: nothing is rolled back."""
+    if t.inprocess is None:
+        return call()
+    for _ in range(t.inprocess.max_reforms):
+        try:
+            return call()
+        except RuntimeError as exc:  # torch's DistError family
+            error = f"{type(exc).__name__}: {exc}"
+        recover(t, f"{what}: {error}")  # out of the except block: see run_step_or_recover
+    raise InProcessRecoveryError(f"{what}: {t.inprocess.max_reforms} recoveries did not finish it")

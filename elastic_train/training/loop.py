@@ -37,7 +37,7 @@ from elastic_train.training import admission
 from elastic_train.training.batches import BatchLoader
 from elastic_train.training.comm_hooks import CommHook
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
-from elastic_train.training.evaluate import evaluate
+from elastic_train.training.evaluate import EvalResult, evaluate
 from elastic_train.training.exit_barrier import release_after_shrink
 from elastic_train.training.fsdp import (
     consolidate,
@@ -47,7 +47,12 @@ from elastic_train.training.fsdp import (
     wrap_for_training,
 )
 from elastic_train.training.guards import LoopGuards, build_eval_set
-from elastic_train.training.inprocess import InProcess, LoopHooks, run_step_or_recover
+from elastic_train.training.inprocess import (
+    InProcess,
+    LoopHooks,
+    collective_or_recover,
+    run_step_or_recover,
+)
 from elastic_train.training.losses import TrainingLoss
 from elastic_train.training.optim import (
     global_batch_size,
@@ -340,14 +345,19 @@ def train(t: Trainer) -> TrainResult:
 
 
 def run_evaluation(t: Trainer, *, reason: str) -> None:
-    """Evaluate every sample of the evaluation set once across the ranks (a collective)."""
-    with t.guards.long_operation("evaluation"):
-        result = evaluate(
+    """Evaluate every sample of the evaluation set once across the ranks (a collective;
+    in process, a peer's failure during it re-forms the group and evaluates again)."""
+
+    def run() -> EvalResult:  # reads t.ctx at each try: a re-form changes it
+        return evaluate(
             t.model, t.eval_set, loss_fn=t.loss.fn, batch_size=t.cfg.eval.batch_size,
             rank=t.ctx.rank, world_size=t.ctx.world_size, device=t.ctx.device,
             autocast=t.precision.autocast, loss_form=t.loss.form,
             collate_fn=t.batches.collate_fn,
         )  # fmt: skip
+
+    with t.guards.long_operation("evaluation"):
+        result = collective_or_recover(t, run, what="evaluation")
     t.metrics.evaluated(metrics={"loss": result.loss, "accuracy": result.accuracy})
     t.tracking.log(t.step, {"eval/loss": result.loss, "eval/accuracy": result.accuracy})
     log.info("evaluation", step=t.step, reason=reason, **result.as_dict())

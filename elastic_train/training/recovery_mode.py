@@ -57,8 +57,11 @@ def restart_reason(
 def resolve_recovery(
     cfg: JobConfig, *, backend: str, environ: Mapping[str, str] = os.environ
 ) -> JobConfig:
-    """``cfg`` with ``elastic.recovery`` "restart" or "inprocess" (``"auto"`` decided)."""
-    if cfg.elastic.recovery != "auto":
+    """``cfg`` with ``elastic.recovery`` "restart" or "inprocess" (``"auto"`` decided);
+    the log line ``recovery_mode`` says which, and why "auto" ran the restart path."""
+    requested = cfg.elastic.recovery
+    if requested != "auto":
+        log.info("recovery_mode", mode=requested, requested=requested)
         return cfg
     reason = restart_reason(cfg, backend=backend, environ=environ)
     mode = "restart" if reason else "inprocess"
