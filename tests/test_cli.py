@@ -123,7 +123,15 @@ def test_ctrl_c_stops_every_process_of_the_run(tmp_path: Path) -> None:
     ]  # fmt: skip
     # Helpers other tests left running (a forkserver and its resource tracker).
     earlier = {p.pid for p in psutil.Process().children(recursive=True)}
-    runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # A terminal's foreground job gets Ctrl-C. pytest started as a background job
+    # (`cmd &` in a script, CI) inherits SIGINT ignored, and so would the runner:
+    # a handler here is reset to the default in the child (a disposition of
+    # "ignore" would be inherited as it is).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     procs: list[psutil.Process] = []
     try:
         audit = tmp_path / "audit"
@@ -138,14 +146,8 @@ def test_ctrl_c_stops_every_process_of_the_run(tmp_path: Path) -> None:
         assert sum("torch.distributed.run" in n for n in names) == 2
         assert sum("main.py" in n and "torch.distributed.run" not in n for n in names) == 2
         assert sum("etcd" in p.name() for p in procs) == 1
-        # What the runner does with SIGINT, for the message if it does not stop.
-        status = Path(f"/proc/{runner.pid}/status").read_text()
-        signals = [line for line in status.splitlines() if line.startswith(("Sig", "Shd"))]
         runner.send_signal(signal.SIGINT)
-        try:
-            _, err = runner.communicate(timeout=60)
-        except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"the runner ignored SIGINT for 60 s: {signals}") from exc
+        _, err = runner.communicate(timeout=60)
     finally:
         if runner.poll() is None:  # its nodes too: left running, they would load later tests
             for proc in [psutil.Process(runner.pid), *procs]:
