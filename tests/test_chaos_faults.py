@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from chaos_runs import log_events
 from trainer_procs import run_workers
 
 from elastic_train.agent.zygote import trainer_processes
@@ -293,6 +294,41 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
     assert '"worker_hang_detected"' in logs and "Thread" in logs  # the event and the stack dump
     assert f"exitcode: {EXIT_HANG}" in logs
     assert "etcd_failover" in logs  # the clients moved to another member
+
+
+@pytest.mark.slow
+def test_a_kill_while_etcd_elects_a_leader_recovers_in_process(tmp_path: Path) -> None:
+    """In process (the default), the survivors of a kill agree on their next group
+    in etcd. The etcd leader is killed, then node 2 at once: that agreement runs
+    while the etcd cluster elects a new leader, and the survivors still re-form
+    in place, each in the process it started with."""
+    etcd = _etcd_cluster(tmp_path / "etcd").start()
+
+    def script(s: Scenario) -> None:
+        s.wait_for_step(10)
+        leader = etcd.leader()
+        leader.kill()
+        s.deliver("kill", 2)
+        s.wait_for_recovery(world_size=2)
+        etcd.leader()  # elected meanwhile (raises if not within 10 s)
+        leader.start()
+        s.wait_for_step(s.step + 5)
+        s.finish_fast()
+
+    scenario = Scenario(tmp_path / "run", steps=60, nodes=3, rdzv_endpoint=etcd.endpoints)
+    try:
+        summary = scenario.run(script)
+    finally:
+        etcd.stop()
+    scenario.assert_good_run(summary, tmp_path)
+    (kill,) = summary.recoveries
+    assert kill.restore_source == "inprocess" and kill.lost_steps is not None, kill
+    assert kill.lost_steps <= 1, kill
+    for node in ("node0", "node1"):
+        log = scenario.run_dir / "logs" / f"{node}.log"
+        assert len(log_events(log, "inprocess_recovered")) == 1, node
+        assert len(log_events(log, "resumed")) == 1, node  # started once, never restarted
+    print(f"kill-to-step seconds while etcd elected a leader: {kill.seconds:.2f}")
 
 
 # -- storage: a full disk, then a corrupt latest checkpoint ---------------------------------
