@@ -106,7 +106,8 @@ RESTARTS = Counter(
 REGROUPS = Counter(
     "elastic_train_inprocess_regroups",
     "Process groups this node re-formed in place, without a restart (in-process recovery): "
-    "cause=failure after a peer's failure, cause=join to admit a node.",
+    "cause=failure after a peer's failure, join to admit a node, preemption without a "
+    "preempted one.",
     ("node", "cause"),
 )
 RDZV_ROUNDS = Counter(
@@ -406,7 +407,7 @@ class WorkerMetrics:
             CKPT_FAILURES.labels(node)
         if local_rank == 0:
             RECOVERY_SECONDS.labels(node)
-            for cause in ("failure", "join"):
+            for cause in ("failure", "join", "preemption"):
                 REGROUPS.labels(node, cause)
         self._resources = ResourceSampler(local_rank=local_rank, interval=resource_interval)
         self._resources.start()
@@ -472,8 +473,8 @@ class WorkerMetrics:
                 EVAL.labels(node_name(), name).set(value)
 
     def regrouped(self, *, cause: str, started_at: float, nodes: int) -> None:
-        """The group was re-formed in place with ``nodes`` nodes (``cause``: "failure"
-        or "join"), a recovery that began at Unix time ``started_at`` and ends at the
+        """The group was re-formed in place with ``nodes`` nodes (``cause``: "failure",
+        "join" or "preemption"), a recovery that began at Unix time ``started_at`` and ends at the
         next step."""
         if self.local_rank == 0:
             REGROUPS.labels(node_name(), cause).inc()

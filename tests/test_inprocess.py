@@ -278,3 +278,42 @@ def test_a_kill_during_an_evaluation_re_forms_the_group_and_evaluates_again(
     starts = {name.split("-")[1]: s for name, s in resumes_by_process(run_dir).items()}
     assert starts["node0"][1:] == [("inprocess", 1)], starts  # one process, never restarted
     assert_ends_like(summary, run_dir, tmp_path / "reference", [*TRAINER_ARGS, *eval_args])
+
+
+@pytest.mark.slow
+def test_a_preempted_node_leaves_and_the_others_stay_in_their_processes(tmp_path: Path) -> None:
+    """SIGTERM to node 1 of 3 (a preemption), in process: every rank stops after the
+    same step, node 1 leaves without a save, nodes 0 and 2 re-form without it in the
+    processes they started with and lose no step; node 1 then comes back and is
+    admitted while they train."""
+    run_dir = tmp_path / "run"
+    # 0.2 s steps until all 3 train again: the 108 steps after the join leave the
+    # new node over 20 s to start, on any machine.
+    pace = Pace(tmp_path / "pause", 0.2)
+    steps = 120
+    args = [a for a in TRAINER_ARGS if not a.startswith("--training.steps=")]
+    args.append(f"--training.steps={steps}")
+    command = [
+        "--nodes", "3", "--min-nodes", "1", "--chaos", "term:1@step6,join:1@step12",
+        "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
+        "--rdzv-conf", "last_call_timeout=20", f"--model.options.pause_file={pace.path}",
+        *args,
+    ]  # fmt: skip
+    summary = run_steered(run_dir, command, pace=pace, nodes=3)
+    assert summary["completed"] and summary["final_step"] == steps, summary
+    assert summary["exactly_once"], summary["exactly_once_detail"]
+    term, join = summary["recoveries"]
+    assert (term["kind"], term["world_size_after"], term["lost_steps"]) == ("term", 2, 0), term
+    assert (join["kind"], join["world_size_after"]) == ("join", 3), join
+    logs = {node: run_dir / "logs" / f"{node}.log" for node in ("node0", "node1", "node2")}
+    (left,) = log_events(logs["node1"], "worker_exit_after_preemption")
+    assert (left["reason"], left["exit_code"]) == ("preempted", 0), left
+    assert len(log_events(logs["node1"], "inprocess_leaving")) == 1
+    for node in ("node0", "node2"):
+        (shrunk,) = log_events(logs[node], "inprocess_shrunk_after_preemption")
+        assert shrunk["world_size"] == 2, shrunk
+        assert not log_events(logs[node], "worker_exit_after_preemption"), node
+    starts = {name.split("-")[1]: s for name, s in resumes_by_process(run_dir).items()}
+    for node in ("node0", "node2"):  # one process each, through both changes
+        assert starts[node][1:] == [("inprocess", 2), ("inprocess", 3)], starts
+    assert_ends_like(summary, run_dir, tmp_path / "reference", args)

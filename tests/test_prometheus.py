@@ -242,7 +242,7 @@ def _check_recovery_counters(prom: Prometheus, mode: str, *, start: float, end: 
     else:
         assert restarts[-1] == restarts[0], restarts
         assert {cause: values[-1] for cause, values in regroups.items()} == {
-            "failure": 1, "join": 1}, regroups  # fmt: skip
+            "failure": 1, "join": 1, "preemption": 0}, regroups  # fmt: skip
 
 
 @needs_prometheus

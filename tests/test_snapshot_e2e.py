@@ -260,7 +260,7 @@ def test_a_preempted_node_leaves_without_a_disk_save_while_others_stay(
     too rare to help: the staying nodes snapshot the stop step, so nobody
     waits for a disk save at the stop; the group resumes from that snapshot
     (zero lost steps) and then writes the step to disk."""
-    args = ("checkpoint.interval_steps=1000", "elastic.snapshot_every_steps=1000")
+    args = ("checkpoint.interval_steps=1000", "elastic.snapshot_every_steps=1000", RESTART)
     scenario = Scenario(tmp_path / "run", steps=STEPS, nodes=3, args=args)
 
     def script(s: Scenario) -> None:

@@ -36,6 +36,7 @@ from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.training import admission
 from elastic_train.training.batches import BatchLoader
 from elastic_train.training.comm_hooks import CommHook
+from elastic_train.training.departure import after_preemption
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
 from elastic_train.training.evaluate import EvalResult, evaluate
 from elastic_train.training.exit_barrier import release_after_shrink
@@ -331,6 +332,14 @@ def train(t: Trainer) -> TrainResult:
             run_evaluation(t, reason="interval")
         stopped = t.guards.after_step(t.step, signalled=outcome.signalled)
         if stopped is not None:
+            departure = after_preemption(t)  # in process: the group may go on without some
+            if departure == "stay":
+                continue
+            if departure == "leave":
+                if t.checkpoint is not None:
+                    t.checkpoint.flush()
+                stopped = t.guards.settle(stopped)
+                return TrainResult(t.step, t.sampler.epoch, None, stopped=stopped.value)
             if not snapshot_kept_by_a_staying_node(t):
                 save_checkpoint(t, reason=stopped.value, blocking=True)
             if t.checkpoint is not None:
