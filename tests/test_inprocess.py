@@ -177,17 +177,20 @@ def test_survivors_agree_without_the_killed_and_the_stopped_member(
 # -- end to end -------------------------------------------------------------------
 
 
-def _run_local(run_dir: Path, *args: str) -> tuple[dict, str]:
-    """The run's summary and the runner's own log."""
+def _run_local(
+    run_dir: Path, *args: str, nodes: int = 3, chaos: str = "kill:1@step6,kill:rank0@step14"
+) -> tuple[dict, str]:
+    """The run's summary and the runner's own log. The forwards pause 0.1 s until
+    the faults are over: a world of 1 trains."""
     pace = Pace(run_dir.parent / f"{run_dir.name}-pause", 0.1)
     tail = AuditTail(run_dir / "audit")
 
-    def tick() -> None:  # the pause ends once both kills are over: a world of 1 trains
+    def tick() -> None:
         if any(isinstance(r, StepRecord) and r.world_size == 1 for r in tail.poll()):
             pace.set(0.0)
 
     command = [
-        "--nodes", "3", "--min-nodes", "1", "--chaos", "kill:1@step6,kill:rank0@step14",
+        "--nodes", str(nodes), "--min-nodes", "1", "--chaos", chaos,
         "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
         # The first round waits for all 3 agents: with the default 1 s last call and
         # --min-nodes 1, an agent late on a loaded machine made a round of 2, then its
@@ -249,23 +252,10 @@ def test_a_kill_during_an_evaluation_re_forms_the_group_and_evaluates_again(
     like one inside a step. The survivor re-forms at world 1 in the same process and
     evaluates the step again; nothing is rolled back (no step was in flight)."""
     run_dir = tmp_path / "run"
-    pace = Pace(tmp_path / "pause", 0.1)
-    tail = AuditTail(run_dir / "audit")
-
-    def tick() -> None:  # the world of 1 trains: the fault is over
-        if any(isinstance(r, StepRecord) and r.world_size == 1 for r in tail.poll()):
-            pace.set(0.0)
-
     # 24 evaluation batches of 4 (12 a rank), each forward paused 0.1 s: the evaluation
     # after step 8 lasts over a second, and the kill due at step 8 lands inside it.
     eval_args = ["--eval.every_steps=8", "--eval.batch_size=4"]
-    command = [
-        "--nodes", "2", "--min-nodes", "1", "--chaos", "kill:1@step8",
-        "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
-        "--rdzv-conf", "last_call_timeout=20", f"--model.options.pause_file={pace.path}",
-        *TRAINER_ARGS, *eval_args,
-    ]  # fmt: skip
-    summary = run_steered(run_dir, command, pace=pace, nodes=0, on_tick=tick)
+    summary, _ = _run_local(run_dir, *TRAINER_ARGS, *eval_args, nodes=2, chaos="kill:1@step8")
     assert summary["completed"] and summary["final_step"] == STEPS, summary
     assert summary["exactly_once"], summary["exactly_once_detail"]
     node0 = run_dir / "logs" / "node0.log"
