@@ -16,6 +16,7 @@ from elastic_train.errors import ConfigError
 from elastic_train.local.chaos import (
     ChaosEvent,
     freeze_if_saving,
+    held_back,
     kill_workers_together,
     node_count,
     node_of_rank,
@@ -146,6 +147,62 @@ def test_a_save_trigger_waits_for_its_step_and_prints_back() -> None:
     assert not later.is_due(elapsed=1e6, step=19) and later.is_due(elapsed=0, step=20)
 
 
+def test_step_events_land_in_step_order_and_time_events_do_not_wait() -> None:
+    schedule = "kill:rank0@step16+save,kill:rank1@step30,stop:rank1@step16,join:5@20s"
+    armed, later, same_step, timed = parse_schedule(schedule)
+    pending = [armed, later, same_step, timed]
+    assert held_back(later, pending)  # step 30 waits for step 16's save kill
+    assert not held_back(same_step, pending) and not held_back(armed, pending)
+    assert not held_back(timed, pending)
+    assert not held_back(later, [later, timed])  # the earlier ones landed
+    anytime, early = parse_schedule("kill:0@save,kill:2@step8")
+    assert held_back(early, [anytime, early])  # an armed "save" counts as step 0
+    assert held_back(armed, [armed, early])  # any earlier step event, not only saves
+
+
+_SAVES = """
+import sys, time
+from pathlib import Path
+root = Path(sys.argv[1])
+for n in range(400):  # saves 50 ms apart, as state/checkpoint.py's _commit makes them:
+    partial = root / f".tmp-step-{n:09d}-0badcafe"
+    partial.mkdir()
+    time.sleep(0.01)  # the state's serialization begins: no file open yet
+    with open(partial / "state.pt", "wb") as f:  # 20 ms of writing
+        f.write(b"x")
+        time.sleep(0.02)
+    time.sleep(0.02)  # the directory's fsync: no file open again
+    partial.rename(root / f"step-{n:09d}")
+    time.sleep(0.05)
+"""
+
+
+def test_a_save_of_20ms_three_processes_down_is_caught(tmp_path: Path) -> None:
+    # agent -> launcher -> writer, like torchrun's worker under a warm launcher. A
+    # partial directory holds an open file for only part of its life: the runner used
+    # to freeze at the directory's first sight and miss the write for dozens of saves.
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    (tmp_path / "saves.py").write_text(_SAVES)
+    inner = f"{sys.executable} {tmp_path / 'saves.py'} {ckpt}; true"
+    agent = subprocess.Popen(["sh", "-c", f"sh -c '{inner}'; true"])
+    try:
+        deadline = time.monotonic() + 30
+        while not any(ckpt.iterdir()):
+            assert time.monotonic() < deadline, "the writer never saved"
+            time.sleep(0.01)
+        partial = freeze_if_saving(agent.pid, ckpt, watch_s=10)
+        assert partial is not None and partial.endswith("/state.pt"), partial
+        assert (ckpt / partial).exists()  # frozen inside that save: it stays partial
+        tree = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+        assert len(tree) == 3 and all(p.status() == psutil.STATUS_STOPPED for p in tree)
+    finally:
+        for proc in psutil.Process(agent.pid).children(recursive=True):
+            proc.kill()
+        agent.kill()
+        agent.wait()
+
+
 @pytest.mark.parametrize(
     ("token", "problem"),
     [
@@ -221,8 +278,12 @@ def test_kills_due_together_land_within_milliseconds(tmp_path: Path) -> None:
         workers = [psutil.Process(a.pid).children()[0] for a in agents.values()]
         times = kill_workers_together({node: a.pid for node, a in agents.items()})
         assert set(times) == {1, 2} and abs(times[1] - times[2]) < 0.1
-        psutil.wait_procs(workers, timeout=10)
-        assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+        # Zombies until their frozen parents reap them: wait_procs would wait out its
+        # whole timeout for those.
+        deadline = time.monotonic() + 10
+        while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+            assert time.monotonic() < deadline, "a killed worker still runs"
+            time.sleep(0.01)
         for agent in agents.values():
             _wait_status(agent, stopped=True)
     finally:

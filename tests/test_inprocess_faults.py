@@ -284,6 +284,25 @@ def _worker_events(run_dir: Path, name: str) -> list[dict]:
     return found
 
 
+#: the log events that tell how a recovery went, for a failing assertion's message
+_RECOVERY_EVENTS = (
+    "inprocess_recovery_started", "membership_agreed", "inprocess_reform_failed",
+    "inprocess_recovery_failed", "inprocess_recovered", "worker_hang_detected",
+)  # fmt: skip
+
+
+def _after(run_dir: Path, since: float) -> list[str]:
+    """Every process's resume records and recovery log events after ``since``, in time
+    order: what a failing assertion about that recovery shows."""
+    found = [(r["time"], f"resume {r['node']} {r['source']} world {r['world_size']} "
+                         f"attempt {r['attempt']}")
+             for r in worker_records(run_dir, "resume") if r["time"] > since]  # fmt: skip
+    for name in _RECOVERY_EVENTS:
+        found += [(e["time"], f"{e['node']} {name} {e.get('members') or e.get('error', '')}")
+                  for e in _worker_events(run_dir, name) if e["time"] > since]  # fmt: skip
+    return [f"+{t - since:.2f}s {line}" for t, line in sorted(found)]
+
+
 @pytest.mark.slow
 def test_a_stopped_worker_is_removed_in_process_within_the_watchdog_bound(
     five_nodes: tuple[dict, Path],
@@ -296,8 +315,9 @@ def test_a_stopped_worker_is_removed_in_process_within_the_watchdog_bound(
         pytest.skip("in-process recovery only")
     event = _events(summary)[STOP]
     stop = _recovery(summary, event)
-    assert stop["kind"] == "stop" and stop["world_size_after"] == 1, stop
-    assert stop["lost_steps"] <= 1 and stop["restore_source"] == "inprocess", stop
+    why = _after(run_dir, event["time"])
+    assert stop["kind"] == "stop" and stop["world_size_after"] == 1, (stop, why)
+    assert stop["lost_steps"] <= 1 and stop["restore_source"] == "inprocess", (stop, why)
     assert stop["seconds"] < WATCHDOG_S, stop
     # The stopped worker, resumed at the end, may still log: its watchdog firing,
     # or its own recovery finding it fenced out. The survivor's logs are checked.

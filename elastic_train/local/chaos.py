@@ -13,7 +13,12 @@ the target node is writing a disk checkpoint: the runner freezes the node and
 kills it only if one of its processes holds a file of an unfinished save open
 (:func:`freeze_if_saving`); otherwise it thaws the node and tries again on the
 next tick. So ``kill:rank0@save`` lands inside the checkpoint writer's save,
-never just before or after it.
+never just before or after it. Until it lands, the events triggered at later
+steps wait (:func:`held_back`): ``kill:rank0@step16+save,stop:rank1@step45``
+never stops a worker before the kill caught its save. When such a late event
+lands while later ones are already due, those wait until the training records
+a step after it, so a rank target resolves in the group that recovered from it.
+Events triggered by time do not wait.
 
 When several events are due at the same tick, every kill among them strikes
 first (:func:`kill_workers_together`): the targets are frozen, then the trainers
@@ -105,11 +110,30 @@ class ChaosEvent:
         target = self.node if self.node is not None else f"rank{self.rank}"
         return f"{self.kind}:{target}@{when}"
 
+    @property
+    def by_step(self) -> bool:
+        """Triggered by the training's progress (a step or a save), not by time."""
+        return self.at_step is not None or self.on_save
+
+    @property
+    def step_order(self) -> int:
+        return self.at_step or 0
+
     def is_due(self, *, elapsed: float, step: int) -> bool:
         """Due by time or step; a save trigger is then armed, see :func:`open_partial_save`."""
         if self.at_seconds is not None:
             return elapsed >= self.at_seconds
         return self.at_step is None or step >= self.at_step
+
+
+def held_back(event: ChaosEvent, pending: Iterable[ChaosEvent]) -> bool:
+    """Whether ``event``, due by its step, waits for a pending event of an earlier step
+    (an armed save kill that has not caught a save yet, a rank not resolved yet):
+    step-triggered events land in step order, however late one of them is. A
+    ``save`` trigger without a step counts as step 0; events due by time never wait."""
+    if not event.by_step:
+        return False
+    return any(e.by_step and e.step_order < event.step_order for e in pending)
 
 
 def parse_event(token: str) -> ChaosEvent:
@@ -254,25 +278,47 @@ def freeze_if_saving(agent_pid: int, checkpoint_dir: Path, *, watch_s: float = 0
     """Freeze a node whose processes write a checkpoint now; the partial file they write.
 
     Watches up to ``watch_s`` for a save to begin (a tick of a fixed period could
-    keep missing saves of a period that divides it). Returns None, with the node
-    thawed again, when none of its processes holds a file of an unfinished save
-    open. A process a ``stop`` event froze stays frozen.
+    keep missing saves of a period that divides it). The process holding a partial
+    save's file is stopped first, alone: a save lasts tens of milliseconds, and
+    freezing the whole tree first (a /proc scan per level) outlasted it on a loaded
+    2-core box, so the kill kept missing saves for dozens of steps. Returns None,
+    with the node thawed again, when no process was caught holding such a file. A
+    process a ``stop`` event froze stays frozen.
     """
     deadline = time.monotonic() + watch_s
-    while not any(checkpoint_dir.glob(PARTIAL_SAVE_GLOB)):
-        if time.monotonic() >= deadline:
-            return None  # the usual case, without touching the node
-        time.sleep(0.01)
     try:
         root = psutil.Process(agent_pid)
-        already = {p.pid for p in [root, *proctree.descendants(root)] if _is_stopped(p)}
+        tree = [root, *proctree.descendants(root)]
     except psutil.Error:
         return None
-    frozen = proctree.freeze_tree(root)
-    partial = open_partial_save(frozen, checkpoint_dir)
-    if partial is None:
-        proctree.signal_all([p for p in frozen if p.pid not in already], signal.SIGCONT)
-    return partial
+    while True:
+        if any(checkpoint_dir.glob(PARTIAL_SAVE_GLOB)):
+            partial = _stop_the_writer(tree, checkpoint_dir)
+            if partial is not None:
+                proctree.freeze_tree(root)  # the rest of the node, for the kill
+                return partial
+        if time.monotonic() >= deadline:
+            return None  # the usual case, without touching the node
+        time.sleep(0.005)
+
+
+def _stop_the_writer(procs: list[psutil.Process], checkpoint_dir: Path) -> str | None:
+    """SIGSTOP the process of ``procs`` that holds a partial save's file open; the file,
+    checked again once it is stopped. None (and the process continued) when none does
+    by then."""
+    for proc in procs:
+        if open_partial_save([proc], checkpoint_dir) is None:
+            continue
+        was_stopped = _is_stopped(proc)
+        with contextlib.suppress(psutil.Error):
+            proc.suspend()
+        partial = open_partial_save([proc], checkpoint_dir)
+        if partial is not None:
+            return partial
+        if not was_stopped:
+            with contextlib.suppress(psutil.Error):
+                proc.resume()
+    return None
 
 
 def open_partial_save(procs: Iterable[psutil.Process], checkpoint_dir: Path) -> str | None:

@@ -31,6 +31,7 @@ from elastic_train.audit import (
     AuditLog,
     AuditTail,
     ExactlyOnce,
+    StepRecord,
     audit_exactly_once,
     read_result,
 )
@@ -42,6 +43,7 @@ from elastic_train.local.chaos import (
     ChaosEvent,
     Recovery,
     freeze_if_saving,
+    held_back,
     kill_workers_together,
     node_of_rank,
     recovery_after,
@@ -223,6 +225,9 @@ class _Supervisor:
         self.started = time.monotonic()
         self._result_file = cluster.audit_dir / RESULT_FILE
         self._finished_at: float | None = None
+        #: a fault landed while later step events were due: those wait for a newer step
+        self._settle_from: float | None = None
+        self._last_step_time = 0.0
 
     @property
     def elapsed(self) -> float:
@@ -234,7 +239,10 @@ class _Supervisor:
         self.started = time.monotonic()  # chaos times count from the nodes' start
         error = None
         while True:
-            self.board.observe(self.tail.poll())
+            records = self.tail.poll()
+            self.board.observe(records)
+            steps = [r.time for r in records if isinstance(r, StepRecord)]
+            self._last_step_time = max([self._last_step_time, *steps])
             self._fire_due_events()
             self.cluster.poll()
             if self._finished_at is None and self._result_file.exists():
@@ -273,7 +281,10 @@ class _Supervisor:
         elapsed = self.elapsed
         due: list[tuple[ChaosEvent, int, str]] = []
         unresolved_kill = False
+        settling = self._settle_from is not None and self._last_step_time <= self._settle_from
         for event in [e for e in self.pending if e.is_due(elapsed=elapsed, step=self.board.step)]:
+            if held_back(event, self.pending) or (settling and event.by_step):
+                continue
             node = event.node
             if node is None:
                 node = node_of_rank(self.tail.log, event.rank)  # type: ignore[arg-type]
@@ -290,16 +301,22 @@ class _Supervisor:
         # second kill or a join lands while the first one's recovery has only begun.
         strike = {n for e, n, _ in due if e.kind == "kill"} if len(due) > 1 else set()
         killed = self._kill_together(strike)
+        faults = False
         for event, node, partial in due:
             now = killed.get(node, time.time())
             outcome = self.cluster.deliver(replace(event, node=node, rank=None))
             if outcome is None:
                 continue
             self.pending.remove(event)
+            faults |= event.kind != "join"
             detail = f"partial save {partial}" if partial else ""
             self.deliveries.append(Delivery(event, node, now, elapsed, outcome, detail))
             log.info("chaos_event", chaos=str(event), outcome=outcome, elapsed=round(elapsed, 2),
                      detail=detail)  # fmt: skip
+        backlog = any(e.by_step and e.is_due(elapsed=elapsed, step=self.board.step)
+                      for e in self.pending)  # fmt: skip
+        if faults and backlog:  # the next ones' rank targets must see the recovered group
+            self._settle_from = time.time()
 
     def _agent_pid(self, node: int) -> int | None:
         running = self.cluster.nodes.get(node)
