@@ -40,6 +40,7 @@ from elastic_train.training.membership import EtcdAccess, Generation, Membership
 from elastic_train.training.progress_marker import ProgressMarker
 from elastic_train.training.step import StepOutcome, run_step
 from elastic_train.training.step_timeout import StepTimeout
+from elastic_train.training.tracking import open_tracking
 
 if TYPE_CHECKING:
     from elastic_train.training.admission import JoinWatch
@@ -270,14 +271,18 @@ def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = Fal
         )  # fmt: skip
         t.audit.resume(restored_step=t.step, source="inprocess")
     if ctx.is_main != was_main or joining:
-        # Old rank 0 died (or this worker joined): the checkpoint and the progress
-        # marker need their writer here.
+        # Old rank 0 died or left (or this worker joined): the checkpoint, the progress
+        # marker and the experiment trackers need their writer here. The trackers'
+        # watermark (tracking.json) makes the new rank 0 skip the steps the old one
+        # handed over already.
         if t.checkpoint is not None:
             t.checkpoint.close()
         t.checkpoint = hooks.open_checkpoints(t, ctx)
         t.last_saved_step = -1  # the first due save writes, whatever the old writer did
         t.progress.close()
         t.progress = ProgressMarker(t.cfg.checkpoint.dir, writer=ctx.is_main)
+        t.tracking.close()
+        t.tracking = open_tracking(t.cfg, is_main=ctx.is_main)
 
 
 def regroup(

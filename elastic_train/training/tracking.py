@@ -16,6 +16,8 @@ steps are the ones redone, whose values the replay (same samples, same
 random numbers) reproduces. A kill between the watermark and the tracker's
 own write (TensorBoard also buffers a few seconds) leaves a gap, never a
 duplicate. Without either directory the watermark lives in memory only.
+In-process recovery reopens the trackers on a new rank 0 the same way
+(``inprocess.rebuild``).
 """
 
 from __future__ import annotations
