@@ -232,6 +232,44 @@ def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None
     assert "rendezvous_etcd_unreachable" in logs  # the agents noticed the outage, and rode it out
 
 
+@pytest.mark.slow
+def test_a_kill_during_an_etcd_outage_falls_back_to_the_restart_path(tmp_path: Path) -> None:
+    """In process (the default), a node is killed while etcd is down: the survivor
+    cannot agree a new group without etcd, so it takes the restart path, whose
+    rendezvous waits out the outage; then the killed node rejoins. Every sample
+    once, and the fault-free run's parameters."""
+    etcd = EtcdServer(data_dir=tmp_path / "etcd" / "data", name="outage-kill").start()
+    outage: dict[str, float] = {}
+
+    def script(s: Scenario) -> None:
+        s.wait_for_step(10)
+        s.set_pause(0.2)
+        etcd.stop()
+        s.wait_for_step(s.step + 3)  # training goes on without etcd
+        outage["kill"] = s.deliver("kill", 1)
+        down_until = time.monotonic() + OUTAGE_S
+        s.wait_until(lambda: time.monotonic() >= down_until, what="the outage", timeout=30)
+        outage["up"] = time.time()
+        etcd.start()
+        s.wait_for_recovery(world_size=1)
+        s.deliver("join", 1)
+        s.wait_for_recovery(world_size=2)
+        s.finish_fast()
+
+    try:
+        scenario = Scenario(tmp_path / "run", steps=150, rdzv_endpoint=etcd.endpoint)
+        summary = scenario.run(script)
+    finally:
+        etcd.stop()
+    scenario.assert_good_run(summary, tmp_path)
+    kill, join = summary.recoveries
+    assert kill.world_size_after == 1 and join.world_size_after == 2, summary.to_json()
+    assert kill.restore_source not in (None, "inprocess"), summary.to_json()  # the restart path
+    assert kill.lost_steps is not None and kill.lost_steps <= 1, summary.to_json()  # a snapshot
+    logs = scenario.logs()
+    assert '"inprocess_recovery_failed"' in logs and '"fallback": "restart"' in logs
+
+
 # -- a hung worker, on a 3-member etcd cluster that loses its leader twice -------------
 
 
