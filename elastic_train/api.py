@@ -38,8 +38,8 @@ from torch.utils.data import Dataset
 from elastic_train.config.args import help_text, parse_cli
 from elastic_train.config.job import JobConfig
 from elastic_train.config.load import as_dict, load_config, to_toml
-from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
-from elastic_train.main import exit_code, train_worker
+from elastic_train.errors import ConfigError
+from elastic_train.main import exit_code, refuse_config, train_worker
 from elastic_train.training.distributed import read_worker_env
 from elastic_train.training.loop import TrainResult
 from elastic_train.training.parts import OptimizerFactory, SchedulerFactory, ScriptParts
@@ -88,8 +88,7 @@ def fit(
         )  # fmt: skip
         env = read_worker_env()
     except ConfigError as exc:
-        print(f"elastic_train: configuration error: {exc}", file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG_ERROR) from exc
+        raise SystemExit(refuse_config(exc)) from exc
     if args.help or args.print_config:
         print(help_text() if args.help else to_toml(args.config), end="")
         raise SystemExit(0)

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from elastic_train.agent.verdict import report_config_error
 from elastic_train.config.args import CliArgs, help_text, parse_cli
 from elastic_train.config.job import JobConfig
 from elastic_train.config.load import to_toml
@@ -119,6 +120,7 @@ def train_worker(
         return train(trainer)
     except (ConfigError, CheckpointMismatchError) as exc:
         log.error("config_error", error=str(exc))
+        report_config_error(str(exc))  # the agent exits instead of restarting this
         return EXIT_CONFIG_ERROR
     except CheckpointWriteError as exc:
         log.error(
@@ -144,14 +146,21 @@ def exit_code(result: TrainResult) -> int:
     return 0
 
 
+def refuse_config(exc: ConfigError) -> int:
+    """A bad command line or environment: said on stderr and to the node agent (which
+    then exits instead of restarting this worker); the exit code."""
+    print(f"elastic_train: configuration error: {exc}", file=sys.stderr)
+    report_config_error(str(exc))
+    return EXIT_CONFIG_ERROR
+
+
 @record  # writes torchrun's error file, so the agent reports this worker's traceback
 def main(argv: Sequence[str] | None = None, *, release: bool = True) -> int:
     try:
         args: CliArgs = parse_cli(sys.argv[1:] if argv is None else argv)
         env = read_worker_env()
     except ConfigError as exc:
-        print(f"elastic_train: configuration error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return refuse_config(exc)
     if args.help:
         print(help_text(), end="")
         return 0

@@ -220,3 +220,32 @@ def test_consecutive_checkpoint_failures_end_the_worker(tmp_path: Path) -> None:
     (fatal,) = [e for e in events if e["event"] == "checkpoint_failures_exceeded"]
     assert "checkpoint.max_consecutive_failures=3" in fatal["error"]
     assert not list(directory.glob("step-*")) and not list(directory.glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_a_config_error_found_while_building_ends_the_agents_instead_of_restarts(
+    tmp_path: Path,
+) -> None:
+    # The runner's own check (parse_cli) passes; only the worker's build finds that
+    # the model needs a vocabulary the dataset lacks. Each agent used to restart its
+    # worker about once a second until the run's timeout.
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2", "--min-nodes", "1",
+        "--run-dir", str(run_dir), "--quiet", "--timeout", "120", "--metrics-port", "0",
+        "--model.name=char_transformer", "--data.name=synthetic", "--training.steps=5",
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode != 0
+    (said,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "configuration error" in said and "model.name = 'char_transformer'" in said, said
+    assert "vocab_size" in said, said
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["nodes"] == {"node0": "exited(78)", "node1": "exited(78)"}, summary
+    for node in ("node0", "node1"):
+        lines = (run_dir / "logs" / f"{node}.log").read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.startswith("{")]
+        built = [e for e in events if e.get("event") == "config_error"]
+        assert len(built) == 1 and built[0]["restart"] == 0, built  # never restarted
+        (ended,) = [e for e in events if e.get("event") == "worker_config_error"]
+        assert ended["exit_code"] == EXIT_CONFIG_ERROR and "vocab_size" in ended["error"]

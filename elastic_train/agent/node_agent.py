@@ -49,10 +49,13 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -61,7 +64,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elastic_train import metrics
-from elastic_train.agent import warm_start
+from elastic_train.agent import verdict, warm_start
 from elastic_train.agent.metrics_endpoint import (
     MetricsEndpoint,
     MetricsEndpointConfig,
@@ -70,7 +73,7 @@ from elastic_train.agent.metrics_endpoint import (
 from elastic_train.agent.persister import Persister
 from elastic_train.agent.worker_entry import WorkerEntry
 from elastic_train.agent.zygote import ZygoteProcess
-from elastic_train.errors import ConfigError, MetricsPortsTakenError
+from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError, MetricsPortsTakenError
 from elastic_train.log import bind_context, get_logger
 from elastic_train.state.persist import SOCKET_ENV as PERSIST_SOCKET_ENV
 
@@ -135,6 +138,7 @@ class NodeAgent:
         self.zygote: ZygoteProcess | None = None
         self.persister: Persister | None = None
         self._rounds = 0
+        self._config_error_file: Path | None = None
 
     def start(self, *, min_nodes: int, max_nodes: int) -> None:
         """Serve metrics, then start the zygote (its imports must see the metrics directory)."""
@@ -142,6 +146,7 @@ class NodeAgent:
         bind_context(run_id=self._run_id, node=node)
         # torchrun copies this into every worker: they die with this process (docs/warm-start.md).
         os.environ[warm_start.AGENT_PID_ENV] = str(os.getpid())
+        self._listen_for_config_errors()
         self.endpoint = self._start_endpoint()
         self._start_persister()
         self._start_zygote()
@@ -158,6 +163,26 @@ class NodeAgent:
         metrics.NODES.labels(node).set(
             0
         )  # not in a round yet: a first round that never ends alerts
+
+    def _listen_for_config_errors(self) -> None:
+        """A directory of this agent's for a worker's configuration error (verdict.py)."""
+        directory = Path(tempfile.mkdtemp(prefix="elastic_train-agent-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        self._config_error_file = directory / "config_error"
+        os.environ[verdict.CONFIG_ERROR_FILE_ENV] = str(self._config_error_file)
+
+    def _exit_on_config_error(self) -> None:
+        """Before a restart: a worker's configuration error ends this agent instead."""
+        if self._config_error_file is None:
+            return
+        message = verdict.read_config_error(self._config_error_file)
+        if message is None:
+            return
+        log.error(
+            "worker_config_error", error=message, exit_code=EXIT_CONFIG_ERROR,
+            action="the agent exits: a restart cannot fix the configuration",
+        )  # fmt: skip
+        raise SystemExit(EXIT_CONFIG_ERROR)
 
     def _start_endpoint(self) -> MetricsEndpoint | None:
         """The node's endpoint; a host whose ports are all taken costs metrics, not the agent."""
@@ -224,6 +249,7 @@ class NodeAgent:
         """
         node = metrics.node_name()
         if self._rounds:
+            self._exit_on_config_error()
             self._replace_dead_zygote()  # it imports while the round runs
             os.environ[metrics.RECOVERY_STARTED_AT_ENV] = repr(time.time())
             metrics.RESTARTS.labels(node).inc()

@@ -19,6 +19,7 @@ across restarts), ``summary.json`` and ``timeline.png`` (local/timeline.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import time
@@ -37,6 +38,7 @@ from elastic_train.audit import (
 )
 from elastic_train.config.args import parse_cli
 from elastic_train.config.load import to_toml
+from elastic_train.errors import EXIT_CONFIG_ERROR
 from elastic_train.etcd.server import find_etcd_binary
 from elastic_train.local.chaos import (
     SAVE_WATCH_S,
@@ -355,6 +357,22 @@ class _Supervisor:
         return "training" if training else "starting"
 
 
+def _config_error(cluster: LocalCluster) -> str | None:
+    """The configuration error that ended a node's agent (its workers' ``config_error``,
+    which a restart cannot fix: agent/verdict.py), as the run's error."""
+    for node in cluster.nodes.values():
+        if node.alive or node.proc.returncode != EXIT_CONFIG_ERROR:
+            continue
+        log_file = cluster.run_dir / "logs" / f"{node.name}.log"
+        lines = log_file.read_text(errors="replace").splitlines() if log_file.exists() else []
+        for line in reversed(lines):
+            if line.startswith("{") and '"worker_config_error"' in line:
+                with contextlib.suppress(ValueError):
+                    return f"{node.name}: configuration error: {json.loads(line)['error']}"
+        return f"{node.name}: its agent exited with a configuration error (see its log)"
+    return None
+
+
 def summarize(
     cluster: LocalCluster,
     deliveries: list[Delivery],
@@ -376,6 +394,8 @@ def summarize(
         if d.delivered
     ]
     nodes = {node.name: node.state() for node in cluster.nodes.values()}
+    if error is None and not result:
+        error = _config_error(cluster)
     return Summary(
         completed=error is None and _completed(cluster, bool(result)),
         final_step=result.get("final_step", max((r.step for r in audit.steps), default=None)),

@@ -1,0 +1,59 @@
+"""A worker's word to its torchrun agent that a restart cannot help.
+
+torchrun restarts failed workers up to ``--max-restarts`` times, whatever
+they died of. A configuration error found only once the worker builds (a
+model that needs a dataset's vocabulary, a checkpoint of another model) fails
+every restart the same way: under ``elastic-train local`` (1000 restarts) the
+run looped for its whole timeout, a restart a second, the error buried in the
+log. So the node agent exports :data:`CONFIG_ERROR_FILE_ENV`, a path in a
+directory of its own; a worker that exits with ``EXIT_CONFIG_ERROR`` writes its
+message there first (:func:`report_config_error`); and before any restart's
+round the agent reads it (:func:`read_config_error`) and exits with the same
+code instead of restarting.
+
+Without the variable (a plain ``torchrun`` of another launcher, ``spawn``)
+nothing is written and nothing changes. A file that cannot be written costs
+only the old behaviour (the restarts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from elastic_train.log import get_logger
+
+__all__ = ["CONFIG_ERROR_FILE_ENV", "read_config_error", "report_config_error"]
+
+log = get_logger(__name__)
+
+#: the file a worker writes its configuration error to, set by the node agent
+CONFIG_ERROR_FILE_ENV = "ELASTIC_TRAIN_CONFIG_ERROR_FILE"
+#: at most this much of a message is kept
+_MAX_CHARS = 4000
+
+
+def report_config_error(message: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Tell this worker's agent, if it listens, that ``message`` ended the worker."""
+    path = environ.get(CONFIG_ERROR_FILE_ENV)
+    if not path:
+        return
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    try:
+        partial.write_text(message[:_MAX_CHARS])
+        os.replace(partial, target)  # the agent never reads half a message
+    except OSError as exc:
+        log.warning("config_error_not_reported", path=path, error=str(exc))
+        with contextlib.suppress(OSError):
+            partial.unlink()
+
+
+def read_config_error(path: Path) -> str | None:
+    """The message a worker reported at ``path``, or None."""
+    try:
+        return path.read_text()
+    except OSError:  # none reported (or unreadable: the restarts go on, as before)
+        return None
