@@ -29,7 +29,9 @@ if restart == 0 and worker.local_rank == 0:
         time.sleep(0.05)
     sys.exit(1)
 report = {"pid": os.getpid(), "dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR")}
-(out / f"worker-{worker.local_rank}.json").write_text(json.dumps(report))
+# Named by attempt: the first attempt's local rank 1 gets here too before the agent
+# stops it, and the test must wait for the second attempt's two.
+(out / f"worker-{restart}-{worker.local_rank}.json").write_text(json.dumps(report))
 while not (out / "release").exists():
     time.sleep(0.05)
 worker.close()

@@ -257,8 +257,8 @@ def test_agent_endpoint_keeps_counting_across_a_worker_restart(
     with open(tmp_path / "agent.log", "wb") as log:
         agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        wait_for(lambda: len(list(out.glob("worker-*.json"))) == 2, timeout=60, what="workers")
-        reports = [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
+        wait_for(lambda: len(list(out.glob("worker-1-*.json"))) == 2, timeout=60, what="workers")
+        reports = [json.loads(p.read_text()) for p in sorted(out.glob("worker-1-*.json"))]
         text = _scrape(port)
         values = _samples(text)
         node = (("node", "nodeA"),)
