@@ -9,10 +9,10 @@ moment the training reached a completed step (``step30``). Step triggers make
 tests independent of how fast a shared 2-core machine happens to be.
 
 ``save`` (or ``step30+save``: not before step 30), for kills only, fires while
-the target node is writing a disk checkpoint: the runner freezes the node and
-kills it only if one of its processes holds a file of an unfinished save open
-(:func:`freeze_if_saving`); otherwise it thaws the node and tries again on the
-next tick. So ``kill:rank0@save`` lands inside the checkpoint writer's save,
+the target node is writing a disk checkpoint: the runner stops the process that
+holds a file of an unfinished save open, then freezes and kills the node
+(:func:`freeze_if_saving`); when no process is caught writing, it tries again
+on the next tick. So ``kill:rank0@save`` lands inside the checkpoint writer's save,
 never just before or after it. Until it lands, the events triggered at later
 steps wait (:func:`held_back`): ``kill:rank0@step16+save,stop:rank1@step45``
 never stops a worker before the kill caught its save. When such a late event
@@ -279,11 +279,13 @@ def freeze_if_saving(agent_pid: int, checkpoint_dir: Path, *, watch_s: float = 0
 
     Watches up to ``watch_s`` for a save to begin (a tick of a fixed period could
     keep missing saves of a period that divides it). The process holding a partial
-    save's file is stopped first, alone: a save lasts tens of milliseconds, and
-    freezing the whole tree first (a /proc scan per level) outlasted it on a loaded
-    2-core box, so the kill kept missing saves for dozens of steps. Returns None,
-    with the node thawed again, when no process was caught holding such a file. A
-    process a ``stop`` event froze stays frozen.
+    save's file is stopped first, alone, then the rest of the node. A partial
+    directory holds no open file for part of its life (before the state is
+    serialized, during the manifest and the fsyncs): freezing the whole node at
+    the directory's first sight often landed there, and on a loaded 2-core box
+    the kill missed 16 saves in a row. Returns None, with the node untouched,
+    when no process was caught holding such a file. A process a ``stop`` event
+    froze stays frozen.
     """
     deadline = time.monotonic() + watch_s
     try:
