@@ -188,6 +188,29 @@ class Scenario:
 OUTAGE_S = 10.0
 
 
+def _end_the_outage(s: Scenario, etcd: EtcdServer) -> int:
+    """Keep etcd down for OUTAGE_S from now, then start it on its kept data dir; the
+    step reached without it."""
+    down_until = time.monotonic() + OUTAGE_S
+    s.wait_until(lambda: time.monotonic() >= down_until, what="the outage", timeout=30)
+    step = s.observe()
+    etcd.start()
+    return step
+
+
+def _run_on(
+    etcd: EtcdServer, tmp_path: Path, *, steps: int, script: Callable[[Scenario], None]
+) -> tuple[Scenario, Summary]:
+    """Two nodes on ``etcd`` through ``script``, checked against a fault-free run."""
+    try:
+        scenario = Scenario(tmp_path / "run", steps=steps, rdzv_endpoint=etcd.endpoint)
+        summary = scenario.run(script)
+    finally:
+        etcd.stop()
+    scenario.assert_good_run(summary, tmp_path)
+    return scenario, summary
+
+
 @pytest.mark.slow
 def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None:
     """etcd down 10 s mid-training, restarted on its data dir; then a node is
@@ -202,10 +225,7 @@ def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None
         s.set_pause(0.2)  # at most ~50 steps during the outage, whatever the machine
         etcd.stop()  # SIGTERM; the data dir stays
         outage["start"] = s.step
-        down_until = time.monotonic() + OUTAGE_S
-        s.wait_until(lambda: time.monotonic() >= down_until, what="the outage", timeout=30)
-        outage["end"] = s.observe()
-        etcd.start()
+        outage["end"] = _end_the_outage(s, etcd)
         s.wait_for_step(outage["end"] + 5)
         s.deliver("term", 1)
         s.wait_for_recovery(world_size=1)
@@ -214,12 +234,7 @@ def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None
         s.wait_for_recovery(world_size=2)
         s.finish_fast()
 
-    try:
-        scenario = Scenario(tmp_path / "run", steps=180, rdzv_endpoint=etcd.endpoint)
-        summary = scenario.run(script)
-    finally:
-        etcd.stop()
-    scenario.assert_good_run(summary, tmp_path)
+    scenario, summary = _run_on(etcd, tmp_path, steps=180, script=script)
     # training went on without etcd (a step takes 0.2 s and its arithmetic)
     assert outage["end"] - outage["start"] >= 20, outage
     term, join = summary.recoveries
@@ -239,29 +254,20 @@ def test_a_kill_during_an_etcd_outage_falls_back_to_the_restart_path(tmp_path: P
     rendezvous waits out the outage; then the killed node rejoins. Every sample
     once, and the fault-free run's parameters."""
     etcd = EtcdServer(data_dir=tmp_path / "etcd" / "data", name="outage-kill").start()
-    outage: dict[str, float] = {}
 
     def script(s: Scenario) -> None:
         s.wait_for_step(10)
         s.set_pause(0.2)
         etcd.stop()
         s.wait_for_step(s.step + 3)  # training goes on without etcd
-        outage["kill"] = s.deliver("kill", 1)
-        down_until = time.monotonic() + OUTAGE_S
-        s.wait_until(lambda: time.monotonic() >= down_until, what="the outage", timeout=30)
-        outage["up"] = time.time()
-        etcd.start()
+        s.deliver("kill", 1)
+        _end_the_outage(s, etcd)
         s.wait_for_recovery(world_size=1)
         s.deliver("join", 1)
         s.wait_for_recovery(world_size=2)
         s.finish_fast()
 
-    try:
-        scenario = Scenario(tmp_path / "run", steps=150, rdzv_endpoint=etcd.endpoint)
-        summary = scenario.run(script)
-    finally:
-        etcd.stop()
-    scenario.assert_good_run(summary, tmp_path)
+    scenario, summary = _run_on(etcd, tmp_path, steps=150, script=script)
     kill, join = summary.recoveries
     assert kill.world_size_after == 1 and join.world_size_after == 2, summary.to_json()
     assert kill.restore_source not in (None, "inprocess"), summary.to_json()  # the restart path
