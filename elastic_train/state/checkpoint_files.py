@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
@@ -218,41 +219,48 @@ def _load_slot(
     directory: Path, body: Mapping[str, Any], *, map_location: str | torch.device
 ) -> Any:
     """The state in ``state.slot``: its size, its sum64 against the manifest and the
-    header's own, and the fingerprint checked before anything is decoded."""
+    header's own, and the fingerprint checked before anything is decoded.
+
+    The file is mapped (private, copy-on-write) rather than read, as a
+    ``state.pt`` is: the restore holds the decoded tensors and the page
+    cache's pages, never a second copy of the file in its own memory. An
+    ``fstat`` before and after shows a write into the file meanwhile.
+    """
     path, entry = directory / SLOT_FILE, body["files"][SLOT_FILE]
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != entry["bytes"]:
+            before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode) or before.st_size != entry["bytes"]:
                 raise CheckpointCorruptError(
-                    f"{path}: {info.st_size} bytes but the manifest says {entry['bytes']} "
+                    f"{path}: {before.st_size} bytes but the manifest says {entry['bytes']} "
                     "(truncated?)"
                 )
-            raw = _read_whole(fd, info.st_size, path=path)
+            # Unmapped with its last reference, not closed: a traceback may hold
+            # a tensor view of it, and closing an exported mapping raises.
+            raw = mmap.mmap(fd, before.st_size, access=mmap.ACCESS_COPY)
+            state = _decode_slot(raw, body, path=path, map_location=map_location)
+            changed = not _unchanged(before, os.fstat(fd))
         finally:
             os.close(fd)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # mmap raises ValueError for an empty file
         raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
+    if changed:
+        raise CheckpointCorruptError(f"{path}: changed while it was loaded")
+    return state
+
+
+def _decode_slot(
+    raw: mmap.mmap, body: Mapping[str, Any], *, path: Path, map_location: str | torch.device
+) -> Any:
     try:
         header, _ = verify(raw, fingerprint=body["fingerprint"], name=str(path))
-        if header[SLOT_CHECKSUM] != entry.get(SLOT_CHECKSUM) or header["step"] != body["step"]:
+        digest = body["files"][SLOT_FILE].get(SLOT_CHECKSUM)
+        if header[SLOT_CHECKSUM] != digest or header["step"] != body["step"]:
             raise CheckpointCorruptError(f"{path}: its header does not match the manifest")
         return decode_checked(raw, header, name=str(path), map_location=map_location)
     except SnapshotError as exc:
         raise CheckpointCorruptError(str(exc)) from exc
-
-
-def _read_whole(fd: int, size: int, *, path: Path) -> bytearray:
-    """``size`` bytes of ``fd`` from offset 0 (a read returns at most ~2 GiB on Linux)."""
-    raw = bytearray(size)
-    view, done = memoryview(raw), 0
-    while done < size:
-        count = os.preadv(fd, [view[done:]], done)
-        if count == 0:
-            raise CheckpointCorruptError(f"{path}: shorter than its fstat size")
-        done += count
-    return raw
 
 
 # ------------------------------------------- replacing and removing step directories
