@@ -21,6 +21,7 @@ from benchmarks import (
     diagnose,
     goodput,
     goodput_score,
+    group_swap,
     harness,
     plots,
     preemption,
@@ -297,3 +298,19 @@ def test_goodput_divides_by_the_faster_quiet_world() -> None:
     assert soak["goodput_full_world"] == pytest.approx(sum(bins) / 90.0 / 90.0)
     (target,) = payload["targets"]
     assert target["value"] == soak["goodput"] and target["met"] is False
+
+
+def test_group_swap_smoke(tmp_path: Path) -> None:
+    """The next group formed in the background on torch's private group API:
+    the joiner ends with the members' parameters in both variants, and each
+    stall is accounted for by its parts."""
+    result = run(group_swap, tmp_path)
+    check_machine(result)
+    for name in ("reinit", "background"):
+        single = only_run(result, name)
+        assert single["max_param_diff_between_ranks"] == 0.0, name
+        parts = single["before_switch_ms"] + single["switch_ms"] + single["first_step_extra_ms"]
+        assert single["stall_ms"] == pytest.approx(parts), name
+    assert only_run(result, "background")["formation_ms"] > 0
+    (target,) = result["targets"]
+    assert target["limit"] == group_swap.TARGET_STALL_STEPS and target["value"] is not None
