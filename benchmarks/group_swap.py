@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import statistics
 import threading
 import time
@@ -48,7 +49,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import harness
-from elastic_train.etcd.server import free_port
 
 TIMEOUT = datetime.timedelta(seconds=60)
 METRICS = (
@@ -199,8 +199,9 @@ def _members_background(
     former.join()
     # The old group stays referenced until the process exits, so its teardown
     # is not measured here. Dropped in a thread of its own right after the
-    # switch, gloo's destructor (it joins its threads with the GIL held) hung
-    # this benchmark once: pytorch#56297, as in training/loop.py's close().
+    # switch it hung this benchmark once, probably in gloo's destructor, which
+    # joins its threads with the GIL held (pytorch#56297; training/loop.py's
+    # close()). Not confirmed: a store-port race found later hung it too.
     run.retired.append(current)
     del ddp, current
     ddp, parts = _switch(run, formed["group"])
@@ -230,10 +231,18 @@ def _joiner(run: Run, store: dist.Store, variant: str) -> tuple[nn.Module, dict[
     return _switch(run, formed["group"])
 
 
-def worker(rank: int, port: int, variant: str, steps: tuple[int, int, float], queue: Any) -> None:
+def worker(rank: int, ports: Any, variant: str, steps: tuple[int, int, float], queue: Any) -> None:
+    """One process. Rank 0 binds the store to port 0 and tells the others on
+    ``ports``: a port picked free beforehand can be taken meanwhile (it was,
+    by the processes of a soak running beside this)."""
     before, after, pace_s = steps
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=TIMEOUT)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=TIMEOUT, wait_for_workers=False)
+        for _ in range(2):
+            ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(timeout=120), 3, False, timeout=TIMEOUT)
     run = Run(rank, pace_s=pace_s)
     if rank == 2:
         ddp, parts = _joiner(run, store, variant)
@@ -241,12 +250,17 @@ def worker(rank: int, port: int, variant: str, steps: tuple[int, int, float], qu
         ddp, parts = _members_reinit(run, store, before)
     else:
         ddp, parts = _members_background(run, store, before)
-    while run.step < before + after:
+    # From the switch, not from step 0: the members may step on at 2 for as long
+    # as the background formation takes. Every rank has the same step now.
+    end = run.step + after
+    while run.step < end:
         run.train_step(ddp, 3)
     queue.put({"rank": rank, "times": run.times, "parts": parts, "params": run.params().tolist()})
-    del ddp
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()  # the result is in the pipe before anything is torn down
+    # No teardown: the result is out, and a gloo group's destructor joins its
+    # threads with the GIL held, which can deadlock (pytorch#56297).
+    os._exit(0)
 
 
 def member_numbers(times: list[tuple[int, float]], parts: dict[str, float]) -> dict[str, float]:
@@ -272,11 +286,10 @@ def measure(
 ) -> dict[str, Any]:
     del workdir  # nothing on disk
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
+    queue, ports = ctx.Queue(), ctx.Queue()
     steps = (before, after, pace_ms / 1e3)
     procs = [
-        ctx.Process(target=worker, args=(r, port, variant.name, steps, queue)) for r in range(3)
+        ctx.Process(target=worker, args=(r, ports, variant.name, steps, queue)) for r in range(3)
     ]
     for proc in procs:
         proc.start()
@@ -300,7 +313,7 @@ def summarize_run(results: list[dict[str, Any]]) -> dict[str, Any]:
     parts = ("broadcast_ms", "wrap_ms", "formation_ms", "before_switch_ms", "first_step_extra_ms")
     out.update({k: worst.get(k) for k in parts})
     out["switch_ms"] = worst["broadcast_ms"] + worst["wrap_ms"]
-    out["stall_steps"] = worst["stall_ms"] / worst["step3_ms"]
+    out["stall_steps"] = worst["stall_ms"] / worst["step_ms"]  # the members' step before the join
     out["max_param_diff_between_ranks"] = diff
     out["members"] = members
     return out
