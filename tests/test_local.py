@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -154,3 +156,28 @@ def test_progress_printer_plain_blocks_or_an_in_place_redraw() -> None:
     printer(["a", "b"])
     printer(["c", "d"])
     assert tty.getvalue() == "\x1b[2Ka\n\x1b[2Kb\n\x1b[2F\x1b[2Kc\n\x1b[2Kd\n"
+
+
+def test_wait_gone_survives_psutil_failing_on_a_process_that_went(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """psutil's wait raised FileNotFoundError from pidfd_open at a soak's close:
+    wait_gone then decides by polling, for a real process that is gone and one
+    that still runs, and does not raise."""
+    gone = subprocess.Popen(["sleep", "0"])
+    gone.wait()
+    running = subprocess.Popen(["sleep", "30"])
+    try:
+
+        def failing_wait(*_args: object, **_kwargs: object) -> None:
+            raise FileNotFoundError(2, "No such file or directory")
+
+        monkeypatch.setattr(psutil, "wait_procs", failing_wait)
+        procs = [psutil.Process(running.pid)]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(gone.pid))
+        living = proctree.wait_gone(procs, timeout=0.2)
+        assert [p.pid for p in living] == [running.pid]
+    finally:
+        running.kill()
+        running.wait()
