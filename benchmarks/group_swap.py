@@ -168,16 +168,20 @@ def _switch(run: Run, group: dist.ProcessGroup | None) -> tuple[nn.Module, dict[
     return ddp, {**parts, "switch_started": started, "switch_done": done}
 
 
+def _default_group(store: dist.Store, prefix: str, rank: int, size: int) -> None:
+    """torch's default group on ``store`` under ``prefix``: today's re-init."""
+    group_store = dist.PrefixStore(prefix, store)
+    dist.init_process_group("gloo", store=group_store, rank=rank, world_size=size, timeout=TIMEOUT)
+
+
 def _members_reinit(run: Run, store: dist.Store, before: int) -> tuple[nn.Module, dict[str, float]]:
-    dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=run.rank,
-                            world_size=2, timeout=TIMEOUT)  # fmt: skip
+    _default_group(store, "g1", run.rank, 2)
     ddp = DistributedDataParallel(run.model)
     while run.step < before:
         run.train_step(ddp, 2)
     del ddp
     dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.PrefixStore("g2", store), rank=run.rank,
-                            world_size=3, timeout=TIMEOUT)  # fmt: skip
+    _default_group(store, "g2", run.rank, 3)
     return _switch(run, None)
 
 
@@ -223,8 +227,7 @@ def _form(store: dist.Store, rank: int, out: dict[str, Any]) -> None:
 
 def _joiner(run: Run, store: dist.Store, variant: str) -> tuple[nn.Module, dict[str, float]]:
     if variant == "reinit":
-        dist.init_process_group("gloo", store=dist.PrefixStore("g2", store), rank=2,
-                                world_size=3, timeout=TIMEOUT)  # fmt: skip
+        _default_group(store, "g2", 2, 3)
         return _switch(run, None)
     formed: dict[str, Any] = {}
     _form(store, 2, formed)
