@@ -113,9 +113,7 @@ def breakdown(cluster: BenchCluster, event_time: float, nodes: list[str]) -> dic
 def stall(cluster: BenchCluster, event_time: float) -> float | None:
     """Last step recorded before the recovering attempt started -> its first step."""
     log = cluster.tail.log
-    attempt = next(
-        (a for a in log.attempts() if a.start_time > event_time and a.first_step_time), None
-    )
+    attempt = next((a for a in log.attempts(started_after=event_time) if a.first_step_time), None)
     if attempt is None or attempt.first_step_time is None:
         return None
     before = [r.time for r in log.steps if r.time < attempt.start_time]

@@ -7,7 +7,9 @@ sampler's own arithmetic.
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import math
 import os
 import time
 from collections import Counter, defaultdict
@@ -164,6 +166,53 @@ class Attempt:
 
 
 @dataclass
+class _AttemptRecords:
+    """One attempt's records, indexed as they arrive: a question about the attempts
+    since an event then costs the number of attempts, not of records (a soak of
+    1000 kills holds hundreds of thousands of records, and is asked every poll)."""
+
+    resumes: list[ResumeRecord] = field(default_factory=list)
+    steps: dict[int, list[StepRecord]] = field(default_factory=dict)
+    first_step_time: float = math.inf
+    last_step_time: float = -math.inf
+    highest_step: int = -1
+
+    def add(self, record: AuditRecord) -> None:
+        if isinstance(record, ResumeRecord):
+            self.resumes.append(record)
+            return
+        self.steps.setdefault(record.step, []).append(record)
+        self.first_step_time = min(self.first_step_time, record.time)
+        self.last_step_time = max(self.last_step_time, record.time)
+        self.highest_step = max(self.highest_step, record.step)
+
+    @property
+    def start_time(self) -> float:
+        if self.resumes:
+            return min(r.time for r in self.resumes)
+        return self.first_step_time
+
+    def highest_step_before(self, moment: float) -> int | None:
+        if self.first_step_time >= moment:
+            return None
+        if self.last_step_time < moment:
+            return self.highest_step
+        return max(s for s, rs in self.steps.items() if any(r.time < moment for r in rs))
+
+    def snapshot(self, attempt_id: str) -> Attempt:
+        first = min(self.resumes, key=lambda r: r.time) if self.resumes else None
+        any_step = next(iter(self.steps.values()))[0] if self.steps else None
+        return Attempt(
+            id=attempt_id,
+            start_time=self.start_time,
+            world_size=first.world_size if first else any_step.world_size,  # type: ignore[union-attr]
+            restored_step=first.restored_step if first else None,
+            restore_source=first.source if first else None,
+            steps={step: list(records) for step, records in self.steps.items()},
+        )
+
+
+@dataclass
 class AuditLog:
     """Every record read so far from an audit directory."""
 
@@ -171,6 +220,7 @@ class AuditLog:
     resumes: list[ResumeRecord] = field(default_factory=list)
     #: complete lines that were not valid records (a torn last line is not counted)
     malformed: int = 0
+    _by_attempt: dict[str, _AttemptRecords] = field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, directory: str | Path) -> AuditLog:
@@ -183,36 +233,34 @@ class AuditLog:
             self.steps.append(record)
         else:
             self.resumes.append(record)
+        self._by_attempt.setdefault(record.attempt, _AttemptRecords()).add(record)
 
     def dataset_len(self) -> int | None:
         return next((r.dataset_len for r in self.resumes if r.dataset_len is not None), None)
 
-    def attempts(self) -> list[Attempt]:
-        """Every attempt with any record, in the order they started."""
-        resumes: dict[str, list[ResumeRecord]] = defaultdict(list)
-        steps: dict[str, dict[int, list[StepRecord]]] = defaultdict(lambda: defaultdict(list))
-        for resume in self.resumes:
-            resumes[resume.attempt].append(resume)
-        for record in self.steps:
-            steps[record.attempt][record.step].append(record)
-        attempts = []
-        for attempt_id in resumes.keys() | steps.keys():
-            started = resumes.get(attempt_id, [])
-            recorded = steps.get(attempt_id, {})
-            first = min(started, key=lambda r: r.time) if started else None
-            any_step = next(iter(recorded.values()))[0] if recorded else None
-            times = [r.time for r in started] or [r.time for rs in recorded.values() for r in rs]
-            attempts.append(
-                Attempt(
-                    id=attempt_id,
-                    start_time=min(times),
-                    world_size=first.world_size if first else any_step.world_size,  # type: ignore[union-attr]
-                    restored_step=first.restored_step if first else None,
-                    restore_source=first.source if first else None,
-                    steps=dict(recorded),
-                )
-            )
-        return sorted(attempts, key=lambda a: a.start_time)
+    def attempts(self, *, started_after: float = -math.inf) -> list[Attempt]:
+        """Every attempt with any record (that started after ``started_after``), in the
+        order they started."""
+        found = [
+            records.snapshot(attempt_id)
+            for attempt_id, records in self._by_attempt.items()
+            if records.start_time > started_after
+        ]
+        return sorted(found, key=lambda a: a.start_time)
+
+    def highest_step_before(self, moment: float) -> int | None:
+        """The highest step any rank recorded before wall time ``moment``."""
+        tops = (records.highest_step_before(moment) for records in self._by_attempt.values())
+        return max((top for top in tops if top is not None), default=None)
+
+
+#: How often a poll lists the directory and looks at every file, and how long a
+#: file that stopped growing is still read at every poll. Files are per worker
+#: PID, so a file that stopped growing is almost always a dead worker's; a
+#: frozen one's (SIGSTOP) is read again within RELIST_S of its next line.
+RELIST_S = 1.0
+QUIET_S = 5.0
+AUDIT_GLOB = "worker-*.jsonl"
 
 
 class AuditTail:
@@ -220,20 +268,50 @@ class AuditTail:
 
     A worker killed mid-write leaves a torn last line without a newline; it is
     never parsed, and nobody appends to that file again (files are per PID).
+    A poll reads the files that grew lately, and all of them when the directory
+    changed (a new worker) or once every ``RELIST_S``: a soak's directory holds
+    thousands of dead workers' files, and opening each one every 20 ms took most
+    of a core by the 760th kill.
     """
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.log = AuditLog()
         self._offsets: dict[Path, int] = {}
+        #: file -> monotonic time its offset last moved
+        self._grew: dict[Path, float] = {}
+        self._listed: tuple[int, float] | None = None  # (directory mtime, when)
 
-    def poll(self) -> list[AuditRecord]:
+    def poll(self, *, everything: bool = False) -> list[AuditRecord]:
+        """The records appended since the last poll; ``everything`` reads every file."""
+        now = time.monotonic()
         new: list[AuditRecord] = []
-        for path in sorted(self.directory.glob("worker-*.jsonl")):
+        for path in self._due(now, everything=everything):
+            before = self._offsets.get(path, 0)
             new.extend(self._read_new(path))
+            if self._offsets.get(path, 0) != before:
+                self._grew[path] = now
         for record in new:
             self.log.add(record)
         return new
+
+    def _due(self, now: float, *, everything: bool) -> list[Path]:
+        try:
+            mtime = self.directory.stat().st_mtime_ns
+        except FileNotFoundError:
+            return []
+        listed = self._listed
+        if everything or listed is None or listed[0] != mtime or now - listed[1] >= RELIST_S:
+            self._listed = (mtime, now)
+            # A stat costs less than an open and a read: only files that grew are opened.
+            with os.scandir(self.directory) as entries:
+                return sorted(
+                    Path(entry.path)
+                    for entry in entries
+                    if fnmatch.fnmatchcase(entry.name, AUDIT_GLOB)
+                    and entry.stat().st_size > self._offsets.get(Path(entry.path), 0)
+                )
+        return sorted(path for path, moved in self._grew.items() if now - moved < QUIET_S)
 
     def _read_new(self, path: Path) -> list[AuditRecord]:
         records = []

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from audit_sim import SimRun
+from hypothesis import given
+from hypothesis import strategies as st
 
+import elastic_train.audit as audit_module
 from elastic_train.audit import (
     AuditLog,
     AuditTail,
@@ -161,3 +165,72 @@ def test_the_steered_runs_rejoin_watch_waits_for_the_rejoined_world_to_step(
     assert not watch.poll()  # resumed, not yet trained
     _append(killed.with_name("worker-node1-3.jsonl"), "step", time=9.0, world=3, step=3)
     assert watch.poll()
+
+
+# The log's per-attempt index answers what a scan of every record would.
+_times = st.floats(min_value=0.0, max_value=100.0, allow_nan=False)
+_record = st.tuples(st.sampled_from("abcd"), st.booleans(), st.integers(0, 30), _times)
+
+
+def _make(attempt: str, is_step: bool, step: int, time: float) -> StepRecord | ResumeRecord:
+    if is_step:
+        return StepRecord(attempt, step, 0, 0, 2, "node0", (step,), 1.0, time)
+    return ResumeRecord(attempt, step, "snapshot", 2, 0, "node0", time)
+
+
+@given(records=st.lists(_record, max_size=40), moment=_times)
+def test_the_attempt_index_answers_what_a_scan_of_every_record_does(
+    records: list[tuple[str, bool, int, float]], moment: float
+) -> None:
+    log = AuditLog()
+    for record in records:
+        log.add(_make(*record))
+    steps = log.steps
+    assert log.highest_step_before(moment) == max(
+        (r.step for r in steps if r.time < moment), default=None
+    )
+    starts = {}
+    for attempt in dict.fromkeys(record[0] for record in records):  # ties: first seen first
+        resumes = [r.time for r in log.resumes if r.attempt == attempt]
+        starts[attempt] = min(resumes or [r.time for r in steps if r.attempt == attempt])
+    after = log.attempts(started_after=moment)
+    assert [a.id for a in after] == [
+        a for a in sorted(starts, key=starts.__getitem__) if starts[a] > moment
+    ]
+    for attempt in after:
+        assert attempt.start_time == starts[attempt.id]
+        assert sum(map(len, attempt.steps.values())) == sum(r.attempt == attempt.id for r in steps)
+
+
+def test_a_new_file_is_read_at_once_and_a_quiet_one_once_a_relist(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A soak leaves thousands of dead workers' files: a poll must not open each
+    # one. Here every file is "quiet" at once, and relisting is rare, unless asked.
+    monkeypatch.setattr(audit_module, "QUIET_S", 0.0)
+    monkeypatch.setattr(audit_module, "RELIST_S", 3600.0)
+    old, new = tmp_path / "worker-node0-1.jsonl", tmp_path / "worker-node1-2.jsonl"
+    _append(old, "step", time=1.0, world=1, step=1)
+    tail = AuditTail(tmp_path)
+    assert [r.time for r in tail.poll()] == [1.0]
+    _append(old, "step", time=2.0, world=1, step=2)
+    assert tail.poll() == []  # quiet, and the directory did not change
+    _append(new, "step", time=3.0, world=1, step=3)  # a new worker: the directory changed
+    assert sorted(r.time for r in tail.poll()) == [2.0, 3.0]
+    _append(old, "step", time=4.0, world=1, step=4)
+    assert tail.poll() == []
+    assert [r.time for r in tail.poll(everything=True)] == [4.0]
+    monkeypatch.setattr(audit_module, "RELIST_S", 0.0)
+    _append(old, "step", time=5.0, world=1, step=5)
+    assert [r.time for r in tail.poll()] == [5.0]  # the periodic relist
+    assert len(tail.log.steps) == 5
+
+
+def test_a_file_that_grows_is_read_at_every_poll(tmp_path: Path) -> None:
+    path = tmp_path / "worker-node0-1.jsonl"
+    _append(path, "step", time=1.0, world=1, step=1)
+    tail = AuditTail(tmp_path)
+    tail.poll()
+    for step in range(2, 6):
+        _append(path, "step", time=float(step), world=1, step=step)
+        assert [r.step for r in tail.poll()] == [step]  # type: ignore[union-attr]

@@ -252,7 +252,7 @@ def node_of_rank(log: AuditLog, rank: int) -> int | None:
 def recovery_after(log: AuditLog, *, kind: ChaosKind, node: int, event_time: float) -> Recovery:
     """Audit the recovery from an event delivered at wall time ``event_time``."""
     attempt = next(
-        (a for a in log.attempts() if a.start_time > event_time and a.first_step_time is not None),
+        (a for a in log.attempts(started_after=event_time) if a.first_step_time is not None),
         None,
     )
     if attempt is None:
@@ -260,8 +260,8 @@ def recovery_after(log: AuditLog, *, kind: ChaosKind, node: int, event_time: flo
     assert attempt.first_step_time is not None
     lost = None
     if attempt.restored_step is not None:
-        before = [record.step for record in log.steps if record.time < attempt.start_time]
-        lost = max(0, max(before, default=0) - attempt.restored_step)
+        before = log.highest_step_before(attempt.start_time) or 0
+        lost = max(0, before - attempt.restored_step)
     return Recovery(
         kind=kind,
         node=node,

@@ -341,7 +341,7 @@ class _Supervisor:
         if self.progress is None:
             return
         if final:  # the last node may have exited after the last tick read the records
-            self.board.observe(self.tail.poll())
+            self.board.observe(self.tail.poll(everything=True))
         states = {node.name: self._state(node) for node in self.cluster.nodes.values()}
         view = self.board.view(
             states, elapsed=self.elapsed, deliveries=self.deliveries, log=self.tail.log
