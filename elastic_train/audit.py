@@ -255,9 +255,8 @@ class AuditLog:
 
 
 #: How often a poll lists the directory and looks at every file, and how long a
-#: file that stopped growing is still read at every poll. Files are per worker
-#: PID, so a file that stopped growing is almost always a dead worker's; a
-#: frozen one's (SIGSTOP) is read again within RELIST_S of its next line.
+#: file that stopped growing is still read at every poll when its writer's PID
+#: is not visible here (another PID namespace).
 RELIST_S = 1.0
 QUIET_S = 5.0
 AUDIT_GLOB = "worker-*.jsonl"
@@ -268,10 +267,11 @@ class AuditTail:
 
     A worker killed mid-write leaves a torn last line without a newline; it is
     never parsed, and nobody appends to that file again (files are per PID).
-    A poll reads the files that grew lately, and all of them when the directory
-    changed (a new worker) or once every ``RELIST_S``: a soak's directory holds
-    thousands of dead workers' files, and opening each one every 20 ms took most
-    of a core by the 760th kill.
+    A poll reads the files of workers alive at the last listing and those that
+    grew lately; it lists the directory, and reads every file that grew, when
+    the directory changed (a new worker) and once every ``RELIST_S``. A soak's
+    directory holds thousands of dead workers' files, and opening each one
+    every 20 ms took most of a core by the 760th kill.
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -280,6 +280,8 @@ class AuditTail:
         self._offsets: dict[Path, int] = {}
         #: file -> monotonic time its offset last moved
         self._grew: dict[Path, float] = {}
+        #: the files whose writer was alive at the last listing
+        self._live: set[Path] = set()
         self._listed: tuple[int, float] | None = None  # (directory mtime, when)
 
     def poll(self, *, everything: bool = False) -> list[AuditRecord]:
@@ -303,15 +305,24 @@ class AuditTail:
         listed = self._listed
         if everything or listed is None or listed[0] != mtime or now - listed[1] >= RELIST_S:
             self._listed = (mtime, now)
-            # A stat costs less than an open and a read: only files that grew are opened.
-            with os.scandir(self.directory) as entries:
-                return sorted(
-                    Path(entry.path)
-                    for entry in entries
-                    if fnmatch.fnmatchcase(entry.name, AUDIT_GLOB)
-                    and entry.stat().st_size > self._offsets.get(Path(entry.path), 0)
-                )
-        return sorted(path for path, moved in self._grew.items() if now - moved < QUIET_S)
+            return self._relist()
+        recent = (path for path, moved in self._grew.items() if now - moved < QUIET_S)
+        return sorted(self._live.union(recent))
+
+    def _relist(self) -> list[Path]:
+        """Every file that grew since it was last read (a stat costs less than an open
+        and a read); the live set is renewed on the way."""
+        grown, self._live = [], set()
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if not fnmatch.fnmatchcase(entry.name, AUDIT_GLOB):
+                    continue
+                path = Path(entry.path)
+                if _writer_alive(entry.name):
+                    self._live.add(path)
+                if entry.stat().st_size > self._offsets.get(path, 0):
+                    grown.append(path)
+        return sorted(grown)
 
     def _read_new(self, path: Path) -> list[AuditRecord]:
         records = []
@@ -341,6 +352,21 @@ def read_new_lines(path: Path, offsets: dict[Path, int]) -> list[str]:
     complete = chunk.rfind(b"\n") + 1
     offsets[path] = offset + complete
     return chunk[:complete].decode(errors="replace").splitlines()
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the PID in ``worker-<node>-<pid>.jsonl`` is a process here (a reused PID
+    only costs reads; an unreadable name counts as alive)."""
+    pid = name.removesuffix(".jsonl").rsplit("-", 1)[-1]
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_result(directory: str | Path) -> dict[str, Any] | None:

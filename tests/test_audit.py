@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -202,28 +204,52 @@ def test_the_attempt_index_answers_what_a_scan_of_every_record_does(
         assert sum(map(len, attempt.steps.values())) == sum(r.attempt == attempt.id for r in steps)
 
 
-def test_a_new_file_is_read_at_once_and_a_quiet_one_once_a_relist(
+def _reaped_pid() -> int:
+    """The PID of a process that has exited and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_dead_writers_quiet_file_is_read_only_when_the_directory_is_listed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A soak leaves thousands of dead workers' files: a poll must not open each
-    # one. Here every file is "quiet" at once, and relisting is rare, unless asked.
+    # A soak leaves thousands of dead workers' files: a poll must not open each one.
+    # Here a file counts as quiet at once, and the periodic listing is rare, unless asked.
     monkeypatch.setattr(audit_module, "QUIET_S", 0.0)
     monkeypatch.setattr(audit_module, "RELIST_S", 3600.0)
-    old, new = tmp_path / "worker-node0-1.jsonl", tmp_path / "worker-node1-2.jsonl"
-    _append(old, "step", time=1.0, world=1, step=1)
+    dead = tmp_path / f"worker-node0-{_reaped_pid()}.jsonl"
+    _append(dead, "step", time=1.0, world=1, step=1)
     tail = AuditTail(tmp_path)
     assert [r.time for r in tail.poll()] == [1.0]
-    _append(old, "step", time=2.0, world=1, step=2)
-    assert tail.poll() == []  # quiet, and the directory did not change
-    _append(new, "step", time=3.0, world=1, step=3)  # a new worker: the directory changed
-    assert sorted(r.time for r in tail.poll()) == [2.0, 3.0]
-    _append(old, "step", time=4.0, world=1, step=4)
+    _append(dead, "step", time=2.0, world=1, step=2)  # (a test's write: no writer is alive)
+    assert tail.poll() == []  # quiet, its writer dead, and the directory did not change
+    _append(tmp_path / f"worker-node1-{_reaped_pid()}.jsonl", "step", time=3.0, world=1)
+    assert sorted(r.time for r in tail.poll()) == [2.0, 3.0]  # a new file: a listing
+    _append(dead, "step", time=4.0, world=1, step=4)
     assert tail.poll() == []
     assert [r.time for r in tail.poll(everything=True)] == [4.0]
     monkeypatch.setattr(audit_module, "RELIST_S", 0.0)
-    _append(old, "step", time=5.0, world=1, step=5)
-    assert [r.time for r in tail.poll()] == [5.0]  # the periodic relist
+    _append(dead, "step", time=5.0, world=1, step=5)
+    assert [r.time for r in tail.poll()] == [5.0]  # the periodic listing
     assert len(tail.log.steps) == 5
+
+
+def test_a_live_writers_file_is_read_at_every_poll_even_when_it_was_empty_or_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker creates its file at start and writes its first record later; its step
+    # records can pause for long (a save, a rendezvous, SIGSTOP). Chaos events due at a
+    # step must still see that step at the next poll, not at the next listing.
+    monkeypatch.setattr(audit_module, "QUIET_S", 0.0)
+    monkeypatch.setattr(audit_module, "RELIST_S", 3600.0)
+    live = tmp_path / f"worker-node0-{os.getpid()}.jsonl"
+    live.touch()
+    tail = AuditTail(tmp_path)
+    assert tail.poll() == []
+    for step in (1, 2):
+        _append(live, "step", time=float(step), world=1, step=step)
+        assert [r.time for r in tail.poll()] == [float(step)]
 
 
 def test_a_file_that_grows_is_read_at_every_poll(tmp_path: Path) -> None:

@@ -253,18 +253,21 @@ def test_a_kill_during_an_evaluation_re_forms_the_group_and_evaluates_again(
     evaluates the step again; nothing is rolled back (no step was in flight)."""
     run_dir = tmp_path / "run"
     # 24 evaluation batches of 4 (12 a rank), each forward paused 0.1 s: the evaluation
-    # after step 8 lasts over a second, and the kill due at step 8 lands inside it.
-    eval_args = ["--eval.every_steps=8", "--eval.batch_size=4"]
-    summary, _ = _run_local(run_dir, *TRAINER_ARGS, *eval_args, nodes=2, chaos="kill:1@step8")
+    # after step 10 lasts over a second, and the kill due at step 10 lands inside it.
+    # Step 10 is neither a save (every 4) nor an epoch's end (every 6): a save's
+    # collectives come between a step's record and the evaluation, and a kill the
+    # runner sent within milliseconds of step 8's record landed in step 8's save.
+    eval_args = ["--eval.every_steps=10", "--eval.batch_size=4"]
+    summary, _ = _run_local(run_dir, *TRAINER_ARGS, *eval_args, nodes=2, chaos="kill:1@step10")
     assert summary["completed"] and summary["final_step"] == STEPS, summary
     assert summary["exactly_once"], summary["exactly_once_detail"]
     node0 = run_dir / "logs" / "node0.log"
     (started,) = log_events(node0, "inprocess_recovery_started")
     assert started["error"].startswith("evaluation: "), started
     (recovered,) = log_events(node0, "inprocess_recovered")
-    assert (recovered["step"], recovered["world_size"], recovered["lost_steps"]) == (8, 1, 0)
+    assert (recovered["step"], recovered["world_size"], recovered["lost_steps"]) == (10, 1, 0)
     evaluations = [(e["step"], e["world_size"]) for e in log_events(node0, "evaluation")]
-    assert evaluations[0] == (8, 1), evaluations  # the evaluation at step 8, done again
+    assert evaluations[0] == (10, 1), evaluations  # the evaluation at step 10, done again
     starts = {name.split("-")[1]: s for name, s in resumes_by_process(run_dir).items()}
     assert starts["node0"][1:] == [("inprocess", 1)], starts  # one process, never restarted
     assert_ends_like(summary, run_dir, tmp_path / "reference", [*TRAINER_ARGS, *eval_args])
