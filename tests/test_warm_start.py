@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +96,15 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     yield proc
     proc.close()
     assert not proc.directory.exists()
+
+
+@pytest.fixture
+def socket_parent() -> Iterator[Path]:
+    """A short directory for a zygote's socket: an AF_UNIX path holds at most 107
+    bytes, and ``tmp_path`` under ``pytest -n`` (xdist) is longer than that allows."""
+    directory = Path(tempfile.mkdtemp(prefix="et-test-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _env(socket_path: Path | str | None) -> dict[str, str]:
@@ -264,10 +275,12 @@ def test_a_signal_to_the_launcher_preempts_the_child_with_no_lost_step(
 
 
 @pytest.mark.slow
-def test_a_worker_outlives_its_zygote_and_still_reports_its_exit_code(tmp_path: Path) -> None:
+def test_a_worker_outlives_its_zygote_and_still_reports_its_exit_code(
+    tmp_path: Path, socket_parent: Path
+) -> None:
     """The zygote dies (a crash, the OOM killer): its children train on, and a
     launcher exits with the code its child reported, here 0 after a preemption."""
-    own = ZygoteProcess(WorkerEntry(str(MAIN)), parent_dir=tmp_path, environ=_env(None))
+    own = ZygoteProcess(WorkerEntry(str(MAIN)), parent_dir=socket_parent, environ=_env(None))
     try:
         run = tmp_path / "run"
         launcher = _launch(own.socket_path, run, *PACED, "training.steps=100000")
@@ -302,14 +315,14 @@ def test_a_killed_launcher_takes_its_child_along(
     print(f"child gone {time.monotonic() - killed:.3f}s after its launcher's SIGKILL")
 
 
-def _parent_of_a_zygote(tmp_path: Path, *, wait_ready: bool) -> tuple[subprocess.Popen, dict]:
+def _parent_of_a_zygote(parent_dir: Path, *, wait_ready: bool) -> tuple[subprocess.Popen, dict]:
     """A process that starts a zygote (as the agent does), says where, then idles."""
     code = (
         "import json, socket, sys, time\n"
         "from pathlib import Path\n"
         "from elastic_train.agent.zygote import ZygoteProcess\n"
         "from elastic_train.agent.worker_entry import WorkerEntry\n"
-        f"z = ZygoteProcess(WorkerEntry({str(MAIN)!r}), parent_dir=Path({str(tmp_path)!r}))\n"
+        f"z = ZygoteProcess(WorkerEntry({str(MAIN)!r}), parent_dir=Path({str(parent_dir)!r}))\n"
         f"if {wait_ready}:\n"  # an empty request is declined, once the zygote serves
         "    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:\n"
         "        s.connect(str(z.socket_path)); s.send(b'{}'); s.recv(4096)\n"
@@ -324,13 +337,13 @@ def _parent_of_a_zygote(tmp_path: Path, *, wait_ready: bool) -> tuple[subprocess
 
 
 @pytest.mark.slow
-def test_the_zygote_dies_with_its_parent(zygote: ZygoteProcess, tmp_path: Path) -> None:
+def test_the_zygote_dies_with_its_parent(zygote: ZygoteProcess, socket_parent: Path) -> None:
     """While importing (PR_SET_PDEATHSIG) and while serving (its stdin pipe closes,
     and it removes its socket directory). The next zygote removes what one
     killed while importing left, and nothing of a live one."""
     directories = []
     for wait_ready in (False, True):
-        parent, started = _parent_of_a_zygote(tmp_path, wait_ready=wait_ready)
+        parent, started = _parent_of_a_zygote(socket_parent, wait_ready=wait_ready)
         try:
             proc = psutil.Process(started["pid"])
             parent.kill()
@@ -352,10 +365,12 @@ def test_the_zygote_dies_with_its_parent(zygote: ZygoteProcess, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_a_zygote_whose_agent_dies_takes_its_children_along(tmp_path: Path) -> None:
+def test_a_zygote_whose_agent_dies_takes_its_children_along(
+    tmp_path: Path, socket_parent: Path
+) -> None:
     """Only the zygote's own duty: this launcher lives on (pytest started it, no agent
     PID to die with), yet the child that trains for it is SIGKILLed and reaped."""
-    parent, started = _parent_of_a_zygote(tmp_path, wait_ready=True)
+    parent, started = _parent_of_a_zygote(socket_parent, wait_ready=True)
     socket_path = Path(started["dir"]) / SOCKET_NAME
     launcher = _launch(socket_path, tmp_path / "run", *PACED, "training.steps=100000")
     try:
