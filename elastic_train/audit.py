@@ -364,8 +364,8 @@ def _writer_alive(name: str) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # someone else's process
+        pass
     return True
 
 

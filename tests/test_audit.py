@@ -211,13 +211,18 @@ def _reaped_pid() -> int:
     return proc.pid
 
 
-def test_a_dead_writers_quiet_file_is_read_only_when_the_directory_is_listed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A soak leaves thousands of dead workers' files: a poll must not open each one.
-    # Here a file counts as quiet at once, and the periodic listing is rare, unless asked.
+@pytest.fixture
+def rare_listing(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """A file counts as quiet at once, and the periodic listing never comes by itself."""
     monkeypatch.setattr(audit_module, "QUIET_S", 0.0)
     monkeypatch.setattr(audit_module, "RELIST_S", 3600.0)
+    return monkeypatch
+
+
+def test_a_dead_writers_quiet_file_is_read_only_when_the_directory_is_listed(
+    tmp_path: Path, rare_listing: pytest.MonkeyPatch
+) -> None:
+    # A soak leaves thousands of dead workers' files: a poll must not open each one.
     dead = tmp_path / f"worker-node0-{_reaped_pid()}.jsonl"
     _append(dead, "step", time=1.0, world=1, step=1)
     tail = AuditTail(tmp_path)
@@ -229,20 +234,19 @@ def test_a_dead_writers_quiet_file_is_read_only_when_the_directory_is_listed(
     _append(dead, "step", time=4.0, world=1, step=4)
     assert tail.poll() == []
     assert [r.time for r in tail.poll(everything=True)] == [4.0]
-    monkeypatch.setattr(audit_module, "RELIST_S", 0.0)
+    rare_listing.setattr(audit_module, "RELIST_S", 0.0)
     _append(dead, "step", time=5.0, world=1, step=5)
     assert [r.time for r in tail.poll()] == [5.0]  # the periodic listing
     assert len(tail.log.steps) == 5
 
 
+@pytest.mark.usefixtures("rare_listing")
 def test_a_live_writers_file_is_read_at_every_poll_even_when_it_was_empty_or_quiet(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     # A worker creates its file at start and writes its first record later; its step
     # records can pause for long (a save, a rendezvous, SIGSTOP). Chaos events due at a
     # step must still see that step at the next poll, not at the next listing.
-    monkeypatch.setattr(audit_module, "QUIET_S", 0.0)
-    monkeypatch.setattr(audit_module, "RELIST_S", 3600.0)
     live = tmp_path / f"worker-node0-{os.getpid()}.jsonl"
     live.touch()
     tail = AuditTail(tmp_path)
