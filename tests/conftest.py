@@ -19,27 +19,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """Two workers (``-n auto``): one for the end-to-end tests, one for the rest."""
-    return min(2, len(os.sched_getaffinity(0)))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put every ``slow`` test in one xdist group, every other test in its file's.
-
-    The end-to-end tests bound recovery in steps and seconds on CI's 2 cores.
-    Two of them at once (six to ten training processes) failed 3 of about 60
-    in a trial on 2 pinned cores, so they still run one at a time while the
-    second worker runs the other tests beside them. A file's group keeps its
-    module-scoped fixtures starting once. Needs ``--dist loadgroup``
-    (pyproject's addopts).
-    """
-    for item in items:
-        group = "end-to-end" if item.get_closest_marker("slow") else item.nodeid.partition("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One etcd 3.5 (v2 API off, as stock) for the whole session."""
