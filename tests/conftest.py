@@ -19,6 +19,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two workers, or one on a single core.
+
+    Two is what the end-to-end tests' step and second bounds were checked
+    under, on CI's 2 cores; more at once is untested.
+    """
+    return min(2, len(os.sched_getaffinity(0)))
+
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One etcd 3.5 (v2 API off, as stock) for the whole session."""

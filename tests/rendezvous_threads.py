@@ -13,13 +13,21 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 from elastic_train.rendezvous import backend as rendezvous
 from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
 
+_made: list[EtcdV3RendezvousHandler] = []
+#: the name torch gives a handler's heartbeat thread (dynamic_rendezvous._start_heartbeats)
+KEEP_ALIVE_THREAD = "RendezvousKeepAliveTimer_"
+
 
 def make_handlers(
     endpoint: str, count: int, *, run_prefix: str, min_nodes: int, max_nodes: int, **conf: object
 ) -> list[EtcdV3RendezvousHandler]:
-    """``count`` handlers of one fresh run (``last_call_timeout`` 1 s unless given)."""
+    """``count`` handlers of one fresh run (``last_call_timeout`` 1 s unless given).
+
+    Call ``stop_handlers()`` after the test: a handler's heartbeat timer runs
+    until its agent stops it.
+    """
     run_id = f"{run_prefix}-{uuid.uuid4().hex[:8]}"
-    return [
+    handlers = [
         rendezvous.create_handler(
             RendezvousParameters(
                 "etcd-v3", endpoint, run_id, min_nodes, max_nodes,
@@ -28,6 +36,22 @@ def make_handlers(
         )
         for _ in range(count)
     ]  # fmt: skip
+    _made.extend(handlers)
+    return handlers
+
+
+def stop_handlers() -> None:
+    """Stop every handler made so far, as each agent would on its way out.
+
+    Without this a handler's keep-alive thread kept beating after the test, and
+    after the session's etcd stopped it logged into closed streams.
+    """
+    while _made:
+        handler = _made.pop()
+        handler._stop_heartbeats()
+        handler._etcd_backend.close()
+    beating = [t.name for t in threading.enumerate() if t.name.startswith(KEEP_ALIVE_THREAD)]
+    assert not beating, f"heartbeat threads still running after the test: {beating}"
 
 
 def poll_until(

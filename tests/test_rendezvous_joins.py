@@ -7,11 +7,12 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import structlog
-from rendezvous_threads import join_all, make_handlers, poll_until
+from rendezvous_threads import join_all, make_handlers, poll_until, stop_handlers
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
@@ -26,9 +27,11 @@ from elastic_train.rendezvous.liveness import BEAT_BUDGET, Liveness, beat_period
 
 
 @pytest.fixture(autouse=True)
-def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> None:
+def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> Iterator[None]:
     # The handlers sign with the job secret (rdzv_secret, in the environment).
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    yield
+    stop_handlers()
 
 
 def _handlers(

@@ -13,14 +13,14 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed.elastic.events as torch_events
 import torch.distributed.elastic.events.handlers as torch_event_handlers
-from rendezvous_threads import join_all, make_handlers, poll_until
+from rendezvous_threads import join_all, make_handlers, poll_until, stop_handlers
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
@@ -36,9 +36,11 @@ SLOW_PRUNING = {"keep_alive_interval": 30, "keep_alive_max_attempt": 3}
 
 
 @pytest.fixture(autouse=True)
-def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> None:
+def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> Iterator[None]:
     # The handlers sign with the job secret (rdzv_secret, in the environment).
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    yield
+    stop_handlers()
 
 
 def _handlers(endpoint: str, count: int, **conf: object) -> list[RendezvousHandler]:
