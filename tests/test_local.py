@@ -181,3 +181,20 @@ def test_wait_gone_survives_psutil_failing_on_a_process_that_went(
     finally:
         running.kill()
         running.wait()
+
+
+def test_a_process_left_after_a_kill_is_killed_again_and_named() -> None:
+    """A process still running when the kill's wait ends (here: never signalled,
+    as a kill that missed it) is SIGKILLed and named by PID and status."""
+    missed = subprocess.Popen(["sleep", "30"])
+    try:
+        proc = psutil.Process(missed.pid)
+        proc.suspend()  # frozen, as freeze_tree leaves a node before its SIGKILL
+        own = frozenset({missed.pid})  # Popen reaps it, for its exit status
+        survivors = proctree.kill_survivors([proc], own=own, timeout=0.3)
+        assert survivors == [f"{missed.pid}:stopped:sleep"]
+        assert missed.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        missed.kill()
+        missed.wait()
+    assert proctree.kill_survivors([proc], own=own, timeout=0.3) == []  # gone: nothing to say

@@ -348,7 +348,7 @@ class LocalCluster:
             procs = proctree.kill_tree(agent)
             self._remember(procs)
             node.proc.wait()
-            proctree.wait_gone(procs, own=frozenset({agent.pid}))
+            self._make_sure_gone(event.node, procs, own=frozenset({agent.pid}))
             node.fate = "killed"
         elif event.kind == "term":
             node.proc.send_signal(signal.SIGTERM)
@@ -356,6 +356,18 @@ class LocalCluster:
         else:
             return self._stop_one_worker(node, agent)
         return "delivered"
+
+    def _make_sure_gone(
+        self, node: int, procs: list[psutil.Process], *, own: frozenset[int]
+    ) -> None:
+        """Wait for a killed node's processes; SIGKILL any left once more, and say so.
+
+        A killed worker that lived on would keep its sockets open, and its
+        peers' collectives would wait for their timeout instead of failing.
+        """
+        survivors = proctree.kill_survivors(procs, own=own)
+        if survivors:
+            log.warning("chaos_kill_survivors", node=f"node{node}", processes=survivors)
 
     def _stop_one_worker(self, node: Node, agent: psutil.Process) -> str | None:
         try:

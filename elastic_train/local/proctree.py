@@ -15,6 +15,8 @@ import time
 
 import psutil
 
+from elastic_train.errors import ClusterError
+
 #: seconds to wait for SIGKILLed processes to disappear
 _REAP_TIMEOUT_S = 5.0
 
@@ -114,3 +116,35 @@ def marked_processes(marker_env: str, value: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def kill_survivors(
+    procs: list[psutil.Process],
+    *,
+    own: frozenset[int] = frozenset(),
+    timeout: float = _REAP_TIMEOUT_S,
+) -> list[str]:
+    """After a SIGKILL: wait for ``procs``, SIGKILL those left again, and wait once more.
+
+    Returns :func:`describe` of those left after the first wait (empty when
+    all went). ClusterError when some outlive the second SIGKILL too.
+    """
+    living = wait_gone(procs, timeout=timeout, own=own)
+    if not living:
+        return []
+    survivors = describe(living)
+    signal_all(living, signal.SIGKILL)
+    if living := wait_gone(living, timeout=timeout, own=own):
+        raise ClusterError(f"processes outlived two SIGKILLs: {describe(living)}")
+    return survivors
+
+
+def describe(procs: list[psutil.Process]) -> list[str]:
+    """``pid:status:name`` of each process, for a message (``gone`` once it went)."""
+    out = []
+    for proc in procs:
+        try:
+            out.append(f"{proc.pid}:{proc.status()}:{proc.name()}")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            out.append(f"{proc.pid}:gone")
+    return out
