@@ -20,10 +20,10 @@ SHARED_DIR = REPO_ROOT.parent / "shared"
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: two workers, or one on a single core.
+    """``pytest -n auto``: two workers, or one on a single core.
 
-    Two is what the end-to-end tests' step and second bounds were checked
-    under, on CI's 2 cores; more at once is untested.
+    Two is what the suite was tried with on 2 cores (docs/development.md);
+    more at once is untested.
     """
     return min(2, len(os.sched_getaffinity(0)))
 
