@@ -157,12 +157,13 @@ def test_the_steered_runs_rejoin_watch_waits_for_the_rejoined_world_to_step(
     killed, survivor = tmp_path / "worker-node1-1.jsonl", tmp_path / "worker-node0-2.jsonl"
     watch = RejoinWatch(tmp_path, nodes=3)
     _append(survivor, "resume", time=1.0, world=2)  # a node late to the first round
+    assert not watch.poll() and not watch.shrunk
     _append(survivor, "resume", time=2.0, world=3)
     for step in (1, 2, 3):
         _append(killed, "step", time=2.0 + step, world=3, step=step)
     _append(survivor, "resume", time=6.0, world=2, step=1)  # restored step 1 from disk
     _append(survivor, "step", time=7.0, world=2, step=2)
-    assert not watch.poll()
+    assert not watch.poll() and watch.shrunk
     _append(survivor, "resume", time=8.0, world=3, step=2)  # the joiner is in
     assert not watch.poll()  # resumed, not yet trained
     _append(killed.with_name("worker-node1-3.jsonl"), "step", time=9.0, world=3, step=3)
