@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rendezvous_threads import stop_handlers
 
 from elastic_train.etcd.server import EtcdServer
 
@@ -58,6 +59,16 @@ def rdzv_secret(rdzv_secret_file: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     secret = rdzv_secret_file.read_text().strip()
     monkeypatch.setenv("ELASTIC_TRAIN_RDZV_SECRET", secret)
     return secret
+
+
+@pytest.fixture
+def rendezvous_handlers(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> Iterator[None]:
+    """For tests that make handlers in this process (``rendezvous_threads.make_handlers``):
+    torch's store sharing as an agent has it, the job secret to sign with, and every
+    handler stopped afterwards, its heartbeat thread included."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    yield
+    stop_handlers()
 
 
 @pytest.fixture(scope="session", autouse=True)

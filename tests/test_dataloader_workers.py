@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 from loader_data import loaded_indices, loader_workers, orphaned
-from steered_runs import Pace, forked_reference, run_steered
+from steered_runs import JOIN_WAIT_S, Pace, forked_reference, run_steered
 from torch.utils.data import Dataset, IterableDataset
 
 from elastic_train.config.args import parse_cli
@@ -313,7 +313,7 @@ def _chaos_run(run_dir: Path, *, nodes: int, args: list[str]) -> tuple[dict[str,
                 leftovers.append(info)
 
     summary = run_steered(run_dir, command, pace=pace, nodes=nodes, env=ENV,
-                          on_tick=look_for_orphans)  # fmt: skip
+                          on_tick=look_for_orphans, join_wait=JOIN_WAIT_S)  # fmt: skip
     return summary, leftovers
 
 

@@ -1,8 +1,9 @@
 """End to end: the real trainer on real torchrun nodes against a real etcd, with real faults.
 
-One chaos run (3 nodes; node 1 killed, then joining again) serves two tests:
-its audit, and its final parameters against an uninterrupted run. Its forwards
-pause 0.1 s until the rejoined world trains (``steered_runs``), then not at all.
+One chaos run (3 nodes; node 1 killed, then joining again) serves three tests:
+its audit, its final parameters against an uninterrupted run, and the join at a
+step that evaluates. Its forwards pause 0.1 s until the rejoined world trains
+(``steered_runs``), then not at all.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from chaos_runs import PACED_STEPS, assert_completed_exactly_once
+from chaos_runs import PACED_STEPS, assert_completed_exactly_once, log_events
 from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
 
 STEPS = PACED_STEPS
-TRAINER_ARGS = STEERED_MLP
+#: Every step evaluates (a collective between steps), on a few samples
+EVAL_EVERY_STEP = ["--eval.every_steps=1", "--eval.max_samples=12", "--eval.batch_size=4"]
+TRAINER_ARGS = [*STEERED_MLP, *EVAL_EVERY_STEP]
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +47,19 @@ def test_resized_run_ends_where_an_uninterrupted_run_does(
     # The reference: the same config, one process (forked), no torchrun, no faults,
     # and no pause file (a sleep does not change the arithmetic).
     assert_ends_like(summary, run_dir, tmp_path / "reference", TRAINER_ARGS)
+
+
+@pytest.mark.slow
+def test_a_join_at_a_step_that_evaluates_keeps_every_process(
+    chaos_run: tuple[dict, Path],
+) -> None:
+    """The members admit after the boundary's evaluation, run at the old size, and
+    the joiner starts with the next step. Admitted before it, a member evaluated with
+    the joiner while the joiner trained: gloo aborted the worker on the mismatch."""
+    summary, run_dir = chaos_run
+    assert [r["restore_source"] for r in summary["recoveries"]] == ["inprocess", "inprocess"]
+    node0 = run_dir / "logs" / "node0.log"
+    (admitted,) = log_events(node0, "inprocess_admitted")
+    sizes = {e["step"]: e["world_size"] for e in log_events(node0, "evaluation")}
+    step = admitted["step"]
+    assert (sizes[step], sizes[step + 1]) == (2, 3), (step, sizes)

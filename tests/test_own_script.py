@@ -21,7 +21,7 @@ from chaos_runs import (
     assert_ends_like_reference,
     worker_records,
 )
-from steered_runs import Pace, run_steered
+from steered_runs import JOIN_WAIT_S, Pace, run_steered
 from torch import nn
 
 from elastic_train.api import fit
@@ -37,7 +37,8 @@ STEPS = 150
 def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """``elastic-train local --script`` on 3 nodes; node 1 killed at world size 3, back at 2."""
     run_dir = tmp_path_factory.mktemp("own_script")
-    # 0.1 s a forward until the rejoined world trains, then none (tests/steered_runs.py).
+    # 0.1 s a forward, 0.5 s from the kill, until the rejoined world trains; then none
+    # (tests/steered_runs.py).
     pace = Pace(run_dir.parent / f"{run_dir.name}-pause", 0.1)
     command = [
         *KILL_THEN_JOIN, "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
@@ -46,7 +47,7 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
         f"--training.steps={STEPS}",  # the script's command line, read on top of its config
     ]  # fmt: skip
     env = {**ENV, "FIT_SCRIPT_PAUSE_FILE": str(pace.path)}
-    summary = run_steered(run_dir, command, pace=pace, nodes=3, env=env)
+    summary = run_steered(run_dir, command, pace=pace, nodes=3, env=env, join_wait=JOIN_WAIT_S)
     return summary, run_dir
 
 

@@ -7,12 +7,11 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import structlog
-from rendezvous_threads import join_all, make_handlers, poll_until, stop_handlers
+from rendezvous_threads import join_all, make_handlers, poll_until
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
@@ -25,13 +24,7 @@ from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
 from elastic_train.rendezvous.joins import fold
 from elastic_train.rendezvous.liveness import BEAT_BUDGET, Liveness, beat_period, node_name
 
-
-@pytest.fixture(autouse=True)
-def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> Iterator[None]:
-    # The handlers sign with the job secret (rdzv_secret, in the environment).
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    yield
-    stop_handlers()
+pytestmark = pytest.mark.usefixtures("rendezvous_handlers")
 
 
 def _handlers(

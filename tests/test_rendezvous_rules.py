@@ -13,14 +13,14 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed.elastic.events as torch_events
 import torch.distributed.elastic.events.handlers as torch_event_handlers
-from rendezvous_threads import join_all, make_handlers, poll_until, stop_handlers
+from rendezvous_threads import join_all, make_handlers, poll_until
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
@@ -35,12 +35,7 @@ from elastic_train.etcd.server import EtcdServer
 SLOW_PRUNING = {"keep_alive_interval": 30, "keep_alive_max_attempt": 3}
 
 
-@pytest.fixture(autouse=True)
-def _restore_share_store_env(monkeypatch: pytest.MonkeyPatch, rdzv_secret: str) -> Iterator[None]:
-    # The handlers sign with the job secret (rdzv_secret, in the environment).
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    yield
-    stop_handlers()
+pytestmark = pytest.mark.usefixtures("rendezvous_handlers")
 
 
 def _handlers(endpoint: str, count: int, **conf: object) -> list[RendezvousHandler]:

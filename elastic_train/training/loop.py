@@ -62,6 +62,7 @@ from elastic_train.training.optim import (
 )
 from elastic_train.training.parts import Prepared, TrainingParts, prepare
 from elastic_train.training.precision import Precision
+from elastic_train.training.preemption import StopReason
 from elastic_train.training.progress_marker import ProgressMarker
 from elastic_train.training.rng import capture_rng_state, restore_rng_state
 from elastic_train.training.sampler import ElasticSampler
@@ -323,7 +324,6 @@ def train(t: Trainer) -> TrainResult:
     t.inprocess = admission.start(t, HOOKS)
     while not finished(t):
         outcome = run_step_or_recover(t, state=lambda: state_dict(t))
-        admission.at_step_boundary(t, stopping=bool(outcome.signalled))
         if outcome.epoch_ended:
             save_checkpoint(t, reason="epoch_end")
         elif checkpoint_due(t):
@@ -331,26 +331,31 @@ def train(t: Trainer) -> TrainResult:
         if t.cfg.eval.every_steps and t.step % t.cfg.eval.every_steps == 0:
             run_evaluation(t, reason="interval")
         stopped = t.guards.after_step(t.step, signalled=outcome.signalled)
-        if stopped is not None:
-            departure = after_preemption(t)  # in process: the group may go on without some
-            if departure == "stay":
-                continue
-            if departure == "leave":
-                if t.checkpoint is not None:
-                    t.checkpoint.flush()
-                stopped = t.guards.settle(stopped)
-                return TrainResult(t.step, t.sampler.epoch, None, stopped=stopped.value)
-            if not snapshot_kept_by_a_staying_node(t):
-                save_checkpoint(t, reason=stopped.value, blocking=True)
-            if t.checkpoint is not None:
-                t.checkpoint.flush()  # the step may have been saved asynchronously just now
-            stopped = t.guards.settle(stopped)
-            return TrainResult(t.step, t.sampler.epoch, None, stopped=stopped.value)
+        if stopped is not None and (result := stop(t, stopped)) is not None:
+            return result
+        # Last at the boundary: a joiner starts with the next step, so the members'
+        # collectives of this one (a save, an evaluation) must be over, or they meet
+        # the joiner's first step (a mismatch that gloo answers with an abort).
+        admission.at_step_boundary(t, stopping=bool(outcome.signalled))
     save_checkpoint(t, reason="final", blocking=True)
     if t.cfg.eval.at_end:
         run_evaluation(t, reason="end")
     with t.guards.long_operation("finish"):
         return finish(consolidate(t))
+
+
+def stop(t: Trainer, stopped: StopReason) -> TrainResult | None:
+    """The end of training at a stop the ranks agreed on; None when this rank stays
+    (in process, the group goes on without the nodes that leave)."""
+    departure = after_preemption(t)
+    if departure == "stay":
+        return None
+    if departure == "stop" and not snapshot_kept_by_a_staying_node(t):
+        save_checkpoint(t, reason=stopped.value, blocking=True)
+    if t.checkpoint is not None:
+        t.checkpoint.flush()  # the step may have been saved asynchronously just now
+    stopped = t.guards.settle(stopped)
+    return TrainResult(t.step, t.sampler.epoch, None, stopped=stopped.value)
 
 
 def run_evaluation(t: Trainer, *, reason: str) -> None:
