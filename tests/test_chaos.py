@@ -138,6 +138,21 @@ def test_recovery_from_a_kill_and_a_join(tmp_path: Path) -> None:
 # -- save triggers and kills that land together ---------------------------------------
 
 
+def test_a_step_trigger_with_a_delay_parses_and_prints_back() -> None:
+    (event,) = parse_schedule("kill:1@step10+0.4s")
+    assert event == ChaosEvent("kill", 1, at_step=10, after_seconds=0.4)
+    assert str(event) == "kill:1@step10+0.4s"
+    assert not event.is_due(elapsed=1e6, step=9) and event.is_due(elapsed=0, step=10)
+    for token, problem in [("kill:1@5s+1s", "bad time '5s+1s'"),
+                           ("kill:1@step3+save+1s", "bad time 'step3+save+1s'"),
+                           ("kill:1@step3+1", "bad time 'step3+1'")]:  # fmt: skip
+        with pytest.raises(ConfigError) as info:
+            parse_schedule(token)
+        assert problem in str(info.value) and "kill:1@step10+0.5s" in str(info.value)
+    with pytest.raises(ConfigError, match="follows a step trigger"):
+        ChaosEvent("kill", 1, at_seconds=3.0, after_seconds=1.0)
+
+
 def test_a_save_trigger_waits_for_its_step_and_prints_back() -> None:
     anytime, later = parse_schedule("kill:rank0@save,kill:1@step20+save")
     assert anytime == ChaosEvent("kill", None, rank=0, on_save=True)

@@ -253,12 +253,13 @@ def test_a_kill_during_an_evaluation_re_forms_the_group_and_evaluates_again(
     evaluates the step again; nothing is rolled back (no step was in flight)."""
     run_dir = tmp_path / "run"
     # 24 evaluation batches of 4 (12 a rank), each forward paused 0.1 s: the evaluation
-    # after step 10 lasts over a second, and the kill due at step 10 lands inside it.
-    # Step 10 is neither a save (every 4) nor an epoch's end (every 6): a save's
-    # collectives come between a step's record and the evaluation, and a kill the
-    # runner sent within milliseconds of step 8's record landed in step 8's save.
+    # after step 10 lasts over a second, and the kill 0.4 s after step 10 lands inside
+    # it. A rank records a step before its gradient all-reduce: without the delay, a
+    # kill sent within milliseconds of the records landed in the step's all-reduce
+    # (once, beside another test). Step 10 is neither a save (every 4) nor an epoch's
+    # end (every 6): a save's collectives come between a step and the evaluation.
     eval_args = ["--eval.every_steps=10", "--eval.batch_size=4"]
-    summary, _ = _run_local(run_dir, *TRAINER_ARGS, *eval_args, nodes=2, chaos="kill:1@step10")
+    summary, _ = _run_local(run_dir, *TRAINER_ARGS, *eval_args, nodes=2, chaos="kill:1@step10+0.4s")
     assert summary["completed"] and summary["final_step"] == STEPS, summary
     assert summary["exactly_once"], summary["exactly_once_detail"]
     node0 = run_dir / "logs" / "node0.log"

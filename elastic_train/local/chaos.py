@@ -5,8 +5,12 @@ A schedule is a comma-separated list of ``KIND:NODE@WHEN`` events::
     kill:1@20s,join:1@40s,term:2@step30,stop:0@12.5s
 
 ``WHEN`` is either seconds since the nodes were started (``20s``) or the first
-moment the training reached a completed step (``step30``). Step triggers make
-tests independent of how fast a shared 2-core machine happens to be.
+moment the training reached a completed step (``step30``), optionally plus
+seconds (``step30+0.5s``). Step triggers make tests independent of how fast a
+shared 2-core machine happens to be. A step counts as reached once every rank
+recorded it, which a rank does before the step's gradient all-reduce; the
+delay lets a fault land in what follows the step (an evaluation) rather than
+in the step's last milliseconds.
 
 ``save`` (or ``step30+save``: not before step 30), for kills only, fires while
 the target node is writing a disk checkpoint: the runner stops the process that
@@ -54,12 +58,13 @@ _FORMS = (
     "accepted forms: KIND:NODE@SECONDSs (e.g. kill:1@20s) or KIND:NODE@stepN "
     f"(e.g. join:1@step30), KIND one of {', '.join(KINDS)}, NODE a node index >= 0 "
     "or rankN, the node that runs global rank N (e.g. kill:rank0@step10; not for join), "
-    "WHEN may also be save or stepN+save: while the node writes a checkpoint, not before "
-    "step N (kill only, e.g. kill:rank0@step20+save)"
+    "WHEN may also be stepN+SECONDSs (e.g. kill:1@step10+0.5s: that long after step N), "
+    "or save or stepN+save: while the node writes a checkpoint, not before step N "
+    "(kill only, e.g. kill:rank0@step20+save)"
 )
 _EVENT = re.compile(r"^(?P<kind>[a-z]+):(?P<target>\d+|rank\d+)@(?P<when>.+)$")
 _SECONDS = re.compile(r"^(?P<value>\d+(?:\.\d+)?)s$")
-_STEP = re.compile(r"^step(?P<value>\d+)$")
+_STEP = re.compile(r"^step(?P<value>\d+)(?:\+(?P<delay>\d+(?:\.\d+)?)s)?$")
 _SAVE = re.compile(r"^(?:step(?P<value>\d+)\+)?save$")
 #: the directories of an unfinished checkpoint save (state/checkpoint.py)
 PARTIAL_SAVE_GLOB = ".tmp-step-*"
@@ -83,6 +88,8 @@ class ChaosEvent:
     rank: int | None = None
     #: due only while the target writes a checkpoint (``at_step``: not before that step)
     on_save: bool = False
+    #: seconds after ``at_step`` was reached (``stepN+Xs``)
+    after_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -102,9 +109,13 @@ class ChaosEvent:
             raise ConfigError(f"chaos at_seconds {self.at_seconds} must be >= 0")
         if self.at_step is not None and self.at_step < 1:
             raise ConfigError(f"chaos at_step {self.at_step} must be >= 1 (steps count from 1)")
+        if self.after_seconds and (self.at_step is None or self.on_save):
+            raise ConfigError("a delay in seconds follows a step trigger (stepN+Xs), not a save")
 
     def __str__(self) -> str:
         when = f"{self.at_seconds:g}s" if self.at_seconds is not None else f"step{self.at_step}"
+        if self.after_seconds:
+            when += f"+{self.after_seconds:g}s"
         if self.on_save:
             when = "save" if self.at_step is None else f"step{self.at_step}+save"
         target = self.node if self.node is not None else f"rank{self.rank}"
@@ -161,6 +172,7 @@ def parse_event(token: str) -> ChaosEvent:
         at_seconds=float(seconds["value"]) if seconds else None,
         at_step=int(step["value"]) if step else None,
         on_save=save is not None,
+        after_seconds=float(step["delay"]) if step and save is None and step["delay"] else 0.0,
     )
 
 

@@ -230,6 +230,8 @@ class _Supervisor:
         #: a fault landed while later step events were due: those wait for a newer step
         self._settle_from: float | None = None
         self._last_step_time = 0.0
+        #: when (``elapsed``) each step event was first seen due, for its ``after_seconds``
+        self._step_reached: dict[ChaosEvent, float] = {}
 
     @property
     def elapsed(self) -> float:
@@ -286,6 +288,9 @@ class _Supervisor:
         settling = self._settle_from is not None and self._last_step_time <= self._settle_from
         for event in [e for e in self.pending if e.is_due(elapsed=elapsed, step=self.board.step)]:
             if held_back(event, self.pending) or (settling and event.by_step):
+                continue
+            # stepN+Xs: X seconds from the tick that first saw step N
+            if elapsed < self._step_reached.setdefault(event, elapsed) + event.after_seconds:
                 continue
             node = event.node
             if node is None:
