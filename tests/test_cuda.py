@@ -13,7 +13,9 @@ node of one worker; what they check is what only a GPU exercises:
 - ``training.parallel = "fsdp2"`` on CUDA through a kill and a restart;
 - in-process recovery aborts the NCCL communicator
   (``_abort_process_group``), re-forms the group on the same GPU and redoes
-  the failed step: same end as a run without the failure.
+  the failed step: same end as a run without the failure;
+- every one of those worker starts is forked by the node's zygote (warm start),
+  which imported torch without initializing CUDA.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def _assert_on_the_gpu(run_dir: Path) -> None:
     groups = _worker_events(run_dir, "process_group_ready")
     assert groups, "no process_group_ready in the run's logs"
     assert {(g["backend"], g["device"]) for g in groups} == {("nccl", "cuda:0")}, groups
+    # Every worker start, restarts included, was forked by the node's zygote: a
+    # child forked after CUDA was initialized could not use the GPU, and a start
+    # the zygote declined would fall back quietly to a cold one.
+    assert len(_worker_events(run_dir, "warm_start_forked")) == len(groups), groups
+    assert not _worker_events(run_dir, "warm_start_unavailable")
 
 
 def _assert_resumed_once_exactly(summary: dict, *, source: set[str]) -> None:

@@ -13,8 +13,9 @@ a rendezvous secret          every value in etcd is signed (or the
 (or ``insecure=1``)          rendezvous runs insecure on purpose)
 DDP, global batches          a step that does not depend on the world size
                              (the in-process path re-splits the same batch)
-gloo                         NCCL's communicator abort has not been run on
-                             a GPU by our tests yet
+gloo                         NCCL's communicator abort has run on one GPU
+                             (tests/test_cuda.py), but a peer's death inside
+                             a multi-rank NCCL collective has not
 ===========================  ===============================================
 
 Every worker of a job resolves the same way: the inputs are the job's config
@@ -45,7 +46,10 @@ def restart_reason(
             f"{cfg.training.batch_mode!r} (in process needs 'ddp' and 'global')"
         )
     if backend != "gloo":
-        return f"the {backend} backend (in process runs gloo only, until tested on GPUs)"
+        return (
+            f"the {backend} backend (in process runs gloo only: a peer's death inside "
+            "a multi-rank NCCL collective is untested)"
+        )
     access = EtcdAccess.find(environ)
     if access is None:
         return f"not started by torchrun with the etcd rendezvous ({ETCD_ENV} is unset)"
