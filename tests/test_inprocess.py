@@ -17,19 +17,24 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch.distributed as dist
 from chaos_runs import ENV, log_events, resumes_by_process
 from steered_runs import Pace, assert_ends_like, run_steered
+from workers import start_workers
 
 from elastic_train.audit import AuditTail, StepRecord
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
 from elastic_train.torchrun_plugin import INPROCESS_ETCD_ENV
 from elastic_train.training.distributed import WorkerEnv, init_distributed
+from elastic_train.training.inprocess import abort_group
 from elastic_train.training.membership import ETCD_ENV, EtcdAccess
 
 STEPS = 40
@@ -172,6 +177,49 @@ def test_survivors_agree_without_the_killed_and_the_stopped_member(
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.kill()
             proc.wait(timeout=10)
+
+
+# -- leaving a group ----------------------------------------------------------------
+
+
+def _gloo_sockets() -> int:
+    return sum(c.status == psutil.CONN_ESTABLISHED for c in psutil.Process().net_connections("tcp"))
+
+
+def _abort_and_count(rank: int, store_file: str, planned: bool, out: str) -> None:
+    """One of two ranks: form a gloo group on a file store (no socket of its own),
+    leave it with :func:`abort_group`, record the sockets open at the return and
+    how long the last of them took to close."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, 2), rank=rank, world_size=2)
+    dist.barrier()
+    opened = _gloo_sockets()
+    trainer = SimpleNamespace(ctx=SimpleNamespace(backend="gloo"), ddp=object())
+    abort_group(trainer, planned=planned)  # type: ignore[arg-type]
+    at_return, started = _gloo_sockets(), time.monotonic()
+    while _gloo_sockets() and time.monotonic() - started < 10:
+        time.sleep(0.01)
+    record = {"opened": opened, "at_return": at_return, "left": _gloo_sockets(),
+              "initialized": dist.is_initialized(), "ddp": hasattr(trainer, "ddp")}  # fmt: skip
+    Path(out, f"{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["failure", "planned"])
+def test_leaving_a_group_closes_its_sockets_at_once_after_a_failure_and_soon_when_planned(
+    tmp_path: Path, planned: bool
+) -> None:
+    # After a failure the closed sockets are what wakes a survivor blocked in a
+    # receive from this rank, so they close before abort_group returns. In a
+    # planned regroup nobody waits, and the group's destructor (20-30 ms) runs
+    # in a thread; the group must still go, not linger as a leak.
+    store_file = str(tmp_path / "store")
+    start_workers(_abort_and_count, args=(store_file, planned, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert record["opened"] >= 1, record  # the pair to the other rank
+        assert not record["initialized"] and not record["ddp"], record
+        assert record["left"] == 0, record
+        if not planned:
+            assert record["at_return"] == 0, record
 
 
 # -- end to end -------------------------------------------------------------------

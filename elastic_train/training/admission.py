@@ -227,7 +227,7 @@ def admit(t: Trainer) -> None:
             gen = ip.membership.admit(joiners, propose=t.ctx.rank == 0, deadline=deadline)
             if t.ctx.rank == 0:
                 ip.membership.withdraw_requests(joiners)
-            _, timings = regroup(t, first=gen)
+            _, timings = regroup(t, first=gen, planned=True)
     except MemberLostError as exc:  # rank 0 died before it proposed: a failure like any
         recover(t, f"{type(exc).__name__}: {exc}")
         return

@@ -65,7 +65,7 @@ def _shrink(t: Trainer) -> None:
     began, started = time.time(), time.perf_counter()
     old_world = t.ctx.world_size
     with t.guards.long_operation("inprocess_departure"):
-        _, timings = regroup(t)
+        _, timings = regroup(t, planned=True)
     gen = ip.membership.current
     assert gen is not None
     t.metrics.regrouped(cause="preemption", started_at=began, nodes=gen.nodes)

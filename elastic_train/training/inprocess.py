@@ -125,13 +125,20 @@ class InProcess:
         self.membership.close()
 
 
-def abort_group(t: Trainer) -> None:
+def abort_group(t: Trainer, *, planned: bool = False) -> None:
     """Drop DDP (its reducer holds the broken group) and destroy the group.
 
     NCCL communicators are aborted first, under a timeout since that can hang.
     Gloo's are not: its abort took seconds here (2 cores, loaded), during which
     the liveness responder starved, and it does not wake a survivor blocked in
     a receive either (docs/recovery-inprocess.md, step 3).
+
+    ``planned``: every member leaves the group at the same step boundary (an
+    admission, a departure), so no peer waits in a receive from this rank.
+    Then a gloo group's destructor, 20-30 ms of joining its threads that it
+    spends without the GIL, runs in a thread of its own instead of stalling the
+    members. After a failure it runs here: the sockets it closes are what wakes
+    a survivor blocked on this rank.
     """
     t.__dict__.pop("ddp", None)
     gc.collect()  # the reducer must go while the group is registered (see loop.close)
@@ -142,9 +149,13 @@ def abort_group(t: Trainer) -> None:
         if abort is None:
             raise InProcessRecoveryError("this torch cannot abort an NCCL group in place")
         _run_guarded(abort, seconds=_ABORT_TIMEOUT_S)
+    retired = [dist.distributed_c10d._get_default_group()] if planned else []
     if dist.is_initialized():  # the abort also deregisters the group
         dist.destroy_process_group()
     gc.collect()
+    if retired and t.ctx.backend == "gloo":
+        # The thread's clear() drops the last reference: the destructor runs there.
+        threading.Thread(target=retired.clear, name="group-retire", daemon=True).start()
 
 
 def _run_guarded(call: Callable[[], Any], *, seconds: float) -> None:
@@ -286,13 +297,14 @@ def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = Fal
 
 
 def regroup(
-    t: Trainer, *, first: Generation | None = None, joining: bool = False
+    t: Trainer, *, first: Generation | None = None, joining: bool = False, planned: bool = False
 ) -> tuple[int, dict[str, float]]:
     """Abort the group, form the next one (``first`` if given), bring every member to
-    the newest state, rebuild; the step in flight and the seconds of each phase."""
+    the newest state, rebuild; the step in flight and the seconds of each phase.
+    ``planned``: :func:`abort_group`'s (an admission or a departure, not a failure)."""
     ip = t.inprocess
     assert ip is not None
-    abort_group(t)
+    abort_group(t, planned=planned)
     was_main, old_world = t.ctx.is_main, t.ctx.world_size
     t.ctx, agreement_s, group_s = reform(t, first=first)
     if ip.timeout.short_s is not None and t.ctx.world_size == old_world and first is None:
