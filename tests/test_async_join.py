@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from chaos_runs import assert_completed_exactly_once, log_events, resumes_by_process
 from rendezvous_threads import poll_until
 from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered
@@ -30,9 +31,11 @@ from elastic_train.etcd.group_marker import ActiveGroup, write_active
 from elastic_train.rendezvous import backend as rendezvous
 from elastic_train.rendezvous.side_round import ASYNC_JOIN_ENV, attach_side_rounds
 from elastic_train.torchrun_plugin import inprocess_etcd_env
+from elastic_train.training import next_group
 from elastic_train.training.admission import ASYNC_JOIN_ENV as WORKER_ENV
 from elastic_train.training.admission import JoinTicket, JoinWatch
 from elastic_train.training.membership import ETCD_ENV, HEAD_SILENCE_S, EtcdAccess, Membership
+from elastic_train.training.next_group import Formation
 
 # -- the side round -------------------------------------------------------------------
 
@@ -227,6 +230,53 @@ def test_the_marker_tells_a_joiner_where_its_group_answers_now(
         client.close()
 
 
+# -- the next group, formed in the background (training/next_group.py) -------------------
+
+
+def _formations(group: tuple[Membership, Membership], joiners: list) -> list[Formation]:
+    return [Formation(m, joiners, propose=m is group[0], timeout=20, op_timeout=20,
+                      probe_timeout=1.0) for m in group]  # fmt: skip
+
+
+def test_the_members_form_the_next_group_with_the_joiner_while_they_train(
+    group: tuple[Membership, Membership], joiner: Membership
+) -> None:
+    # The members' formations run in threads (their main threads would train);
+    # the joiner forms its side as enter() does, on the generation that holds it.
+    joiner.request_join()
+    formations = _formations(group, [joiner.me])
+    gen = joiner.await_admission(after=0, deadline=time.monotonic() + 30, head=lambda: True)
+    store = gen.store(joiner.endpoints, timeout=20, probe_timeout=1.0)
+    joined = next_group.form(store, gen, timeout=20)
+    joined.group.barrier().wait()
+    poll_until(lambda: all(f.ready for f in formations), within=30, what="both members formed")
+    taken = [f.take() for f in formations]
+    assert [g.number for g, _, _ in taken] == [1, 1] and gen.number == 1
+    assert [m.node for m in taken[0][0].members] == ["node0", "node1", "node2"]
+    groups = [new.group for _, new, _ in taken] + [joined.group]
+    assert {g.group_name for g in groups} == {"inprocess-g1"}
+    # One group of three: an all-reduce over it sums every rank's value.
+    tensors = [torch.tensor([float(10**rank)]) for rank in range(3)]
+    works = [g.allreduce([t]) for g, t in zip(groups, tensors, strict=True)]
+    for work in works:
+        work.wait()
+    assert [t.item() for t in tensors] == [111.0] * 3
+    assert all(seconds["formation_s"] >= 0 for _, _, seconds in taken)
+
+
+def test_a_next_group_whose_joiner_died_fails_on_every_member_without_hanging(
+    group: tuple[Membership, Membership], joiner: Membership
+) -> None:
+    joiner.request_join()
+    formations = _formations(group, [joiner.me])
+    joiner.close()  # admitted, then dead before it reached the new generation's store
+    poll_until(lambda: all(f.failed for f in formations), within=30, what="both formations end")
+    assert all(f.error and "node2" in f.error for f in formations), [f.error for f in formations]
+    for formation in formations:
+        formation.drop()
+    assert group[0].current is not None and group[0].current.number == 1
+
+
 # -- end to end ------------------------------------------------------------------------
 
 JOIN_STEPS = 1400
@@ -269,6 +319,8 @@ def test_a_node_killed_and_started_again_joins_without_restarting_anyone(
     (admitted,) = log_events(run_dir / "logs" / "node0.log", "inprocess_admitted")
     assert admitted["old_world_size"] == 2 and admitted["world_size"] == 3
     assert [j.split("/")[0] for j in admitted["joiners"]] == ["node1"]
+    # The next group formed while the members trained: they switched steps later.
+    assert admitted["formation_s"] > 0 and admitted["steps_while_forming"] >= 1, admitted
     # Every agent exited 0 by itself: the final rank 0 released the round's exit
     # barrier for the killed node1 agent, and the new one's side round had its own.
     assert set(summary["nodes"].values()) == {"exited(0)"}, summary["nodes"]

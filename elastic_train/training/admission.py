@@ -36,12 +36,14 @@ from typing import TYPE_CHECKING
 from elastic_train.errors import ConfigError, ElasticTrainError, MemberLostError
 from elastic_train.etcd.group_marker import answers
 from elastic_train.log import get_logger
+from elastic_train.training import next_group
 from elastic_train.training.inprocess import (
     InProcess,
     LoopHooks,
     abort_group,
     recover,
     regroup,
+    settle_formation,
 )
 from elastic_train.training.membership import (
     EtcdAccess,
@@ -199,8 +201,18 @@ def at_step_boundary(t: Trainer, *, stopping: bool) -> None:
     elif ip.joins is not None:
         ip.joins.close()
         ip.joins = None
-    if ip.admit_due and not stopping:
-        admit(t)
+    if ip.forming is not None:
+        if stopping:  # the joiners go to the rendezvous with the rest
+            settle_formation(ip)
+        elif ip.forming_verdict == "ready":
+            switch(t)
+        elif ip.forming_verdict == "failed":
+            recover(t, f"the next group did not form: {ip.forming.error}")
+    elif ip.admit_due and not stopping:
+        if next_group.available(t.ctx.backend):
+            begin(t)
+        else:
+            admit(t)
     ip.admit_due = False
 
 
@@ -210,6 +222,50 @@ def _publish(ip: InProcess) -> None:
         ip.published = ip.membership.current.number  # type: ignore[union-attr]
     except ElasticTrainError as exc:  # joins go through a full restart meanwhile
         log.warning("inprocess_marker_not_published", error=str(exc))
+
+
+def begin(t: Trainer) -> None:
+    """Every member, at the same step: start forming generation ``g + 1`` with the
+    joiners in the background (:mod:`.next_group`); :func:`switch` takes it."""
+    ip = t.inprocess
+    assert ip is not None
+    joiners = ip.joins.admissible(probe_timeout=ip.probe_seconds) if ip.joins else []
+    ip.forming = next_group.Formation(
+        ip.membership, joiners, propose=t.ctx.rank == 0, probe_timeout=ip.probe_seconds,
+        timeout=min(ip.pg_timeout_seconds, next_group.FORMATION_TIMEOUT_S),
+        op_timeout=ip.pg_timeout_seconds,
+    )  # fmt: skip
+    ip.forming_verdict = None
+    ip.forming_step = t.step
+    t.guards.preemption.resync()  # check after the next step, not the scheduled one
+
+
+def switch(t: Trainer) -> None:
+    """Every member, at the same step: the next group is formed on all of them; make
+    it the default group, bring the joiners the state, rebuild."""
+    ip = t.inprocess
+    assert ip is not None and ip.forming is not None
+    forming, ip.forming, ip.forming_verdict = ip.forming, None, None
+    started, began = time.perf_counter(), time.time()
+    old_world, old_ids = t.ctx.world_size, {m.id for m in forming.members}
+    gen, formed, background = forming.take()
+    failure = None
+    with t.guards.long_operation("inprocess_admission"):
+        try:
+            _, timings = regroup(t, first=gen, planned=True, formed=formed)
+        except RuntimeError as exc:  # torch's DistError: someone died since it connected
+            failure = f"{type(exc).__name__}: {exc}"
+    del formed
+    if failure is not None:  # out of the except block, whose frames hold the broken group
+        recover(t, failure)
+        return
+    t.metrics.regrouped(cause="join", started_at=began, nodes=gen.nodes)
+    log.info(
+        "inprocess_admitted", step=t.step, generation=gen.number,
+        joiners=[m.id for m in gen.members if m.id not in old_ids], world_size=t.ctx.world_size,
+        old_world_size=old_world, seconds=round(time.perf_counter() - started, 4), **timings,
+        **background, steps_while_forming=t.step - ip.forming_step,
+    )  # fmt: skip
 
 
 def admit(t: Trainer) -> None:

@@ -35,6 +35,7 @@ from elastic_train.audit import AuditWriter
 from elastic_train.errors import ElasticTrainError, InProcessRecoveryError, MemberLostError
 from elastic_train.log import bind_context, get_logger
 from elastic_train.state.restore import broadcast_state
+from elastic_train.training import next_group
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
 from elastic_train.training.membership import EtcdAccess, Generation, Membership
 from elastic_train.training.progress_marker import ProgressMarker
@@ -81,6 +82,11 @@ class InProcess:
     joins: JoinWatch | None = None
     admit_due: bool = False
     published: int = -1
+    #: The next group, formed in the background after an admit vote (next_group.py),
+    #: and what the last check step said of it on every member: "ready", "failed".
+    forming: next_group.Formation | None = None
+    forming_verdict: str | None = None
+    forming_step: int = 0  # the step after which it started
 
     @classmethod
     def start(cls, t: Trainer, hooks: LoopHooks) -> InProcess | None:
@@ -116,6 +122,8 @@ class InProcess:
     def close(self) -> None:
         if self.joins is not None:
             self.joins.close()
+        if self.forming is not None:
+            self.forming.drop()
         current = self.membership.current
         if current is not None and current.rank == 0 and self.published >= 0:
             try:  # no node may ask a group that is gone to admit it
@@ -153,9 +161,8 @@ def abort_group(t: Trainer, *, planned: bool = False) -> None:
     if dist.is_initialized():  # the abort also deregisters the group
         dist.destroy_process_group()
     gc.collect()
-    if retired and t.ctx.backend == "gloo":
-        # The thread's clear() drops the last reference: the destructor runs there.
-        threading.Thread(target=retired.clear, name="group-retire", daemon=True).start()
+    if t.ctx.backend == "gloo":
+        next_group.release(retired)
 
 
 def _run_guarded(call: Callable[[], Any], *, seconds: float) -> None:
@@ -178,21 +185,30 @@ def _run_guarded(call: Callable[[], Any], *, seconds: float) -> None:
 
 
 def form_group(t: Trainer, gen: Generation, *, timeout: float) -> DistContext:
-    """The new default group of ``gen`` on its rank 0's store, checked by a barrier."""
+    """The new default group of ``gen`` on its rank 0's store, checked by a barrier
+    (on a member whose admission formed the group in the background, that
+    barrier was the formation's last act: :mod:`.next_group`)."""
     ip = t.inprocess
     assert ip is not None
     store = gen.store(ip.membership.endpoints, timeout=timeout, probe_timeout=ip.probe_seconds)
-    dist.init_process_group(
-        t.ctx.backend, store=store, rank=gen.rank, world_size=gen.world_size,
-        timeout=timedelta(seconds=timeout),
-        device_id=t.ctx.device if t.ctx.backend == "nccl" else None,
-    )  # fmt: skip
-    ctx = DistContext(
+    if next_group.available(t.ctx.backend):  # named as the members' admission names it
+        next_group.install(next_group.form(store, gen, timeout=timeout))
+    else:
+        dist.init_process_group(
+            t.ctx.backend, store=store, rank=gen.rank, world_size=gen.world_size,
+            timeout=timedelta(seconds=timeout),
+            device_id=t.ctx.device if t.ctx.backend == "nccl" else None,
+        )  # fmt: skip
+    dist.barrier()
+    return context_of(t, gen)
+
+
+def context_of(t: Trainer, gen: Generation) -> DistContext:
+    """``t``'s context with ``gen``'s rank and world size."""
+    return DistContext(
         env=dataclasses.replace(t.ctx.env, rank=gen.rank, world_size=gen.world_size),
         backend=t.ctx.backend, device=t.ctx.device,
     )  # fmt: skip
-    dist.barrier()
-    return ctx
 
 
 def reform(t: Trainer, *, first: Generation | None = None) -> tuple[DistContext, float, float]:
@@ -297,16 +313,23 @@ def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = Fal
 
 
 def regroup(
-    t: Trainer, *, first: Generation | None = None, joining: bool = False, planned: bool = False
-) -> tuple[int, dict[str, float]]:
+    t: Trainer, *, first: Generation | None = None, joining: bool = False,
+    planned: bool = False, formed: next_group.NewGroup | None = None,
+) -> tuple[int, dict[str, float]]:  # fmt: skip
     """Abort the group, form the next one (``first`` if given), bring every member to
     the newest state, rebuild; the step in flight and the seconds of each phase.
-    ``planned``: :func:`abort_group`'s (an admission or a departure, not a failure)."""
+    ``planned``: :func:`abort_group`'s (an admission or a departure, not a failure).
+    ``formed``: generation ``first``'s group, formed in the background already."""
     ip = t.inprocess
     assert ip is not None
     abort_group(t, planned=planned)
     was_main, old_world = t.ctx.is_main, t.ctx.world_size
-    t.ctx, agreement_s, group_s = reform(t, first=first)
+    if formed is not None and first is not None:
+        started = time.perf_counter()
+        next_group.install(formed)
+        t.ctx, agreement_s, group_s = context_of(t, first), 0.0, time.perf_counter() - started
+    else:
+        t.ctx, agreement_s, group_s = reform(t, first=first)
     if ip.timeout.short_s is not None and t.ctx.world_size == old_world and first is None:
         ip.timeout.widen()
     ip.timeout.attach(t.ctx.backend, scale=old_world / t.ctx.world_size)
@@ -334,6 +357,7 @@ def recover(t: Trainer, failure: str) -> None:
                 step_timeout_s=round(step_timeout_s, 3))  # fmt: skip
     try:
         with t.guards.long_operation("inprocess_recovery"):
+            settle_formation(ip)
             in_flight, timings = regroup(t)
     except InProcessRecoveryError as exc:
         log.error("inprocess_recovery_failed", error=str(exc), after=failure[:300],
@@ -350,6 +374,17 @@ def recover(t: Trainer, failure: str) -> None:
         rank=t.ctx.rank, attempt=t.attempt, detection_s=round(detection_s, 4), **timings,
         recoveries=ip.recoveries, step_timeout_s=round(step_timeout_s, 3),
     )  # fmt: skip
+
+
+def settle_formation(ip: InProcess) -> None:
+    """Wait out and drop a next group in flight (:mod:`.next_group`): its thread
+    uses the membership and the stores that a re-form is about to use."""
+    forming, ip.forming, ip.forming_verdict = ip.forming, None, None
+    if forming is None:
+        return
+    if not forming.finish(timeout=next_group.FORMATION_TIMEOUT_S + ip.probe_seconds):
+        raise InProcessRecoveryError("the next group's formation did not end")
+    forming.drop()
 
 
 def run_step_or_recover(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:

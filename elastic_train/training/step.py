@@ -167,14 +167,21 @@ def _add_units(count: Any, units: Any, *, device: torch.device) -> torch.Tensor:
 class Agreement:
     """The small all-reduce of a check step, started early and awaited late:
     every rank's loss sum, the preemption flag, rank 0's proposal of the
-    steps until the next check, and rank 0's vote to admit joiners."""
+    steps until the next check, rank 0's vote to admit joiners, and how many
+    members have the next group formed (or failed to form it)."""
 
     def __init__(self, t: Trainer, loss_sum: torch.Tensor) -> None:
         preemption = t.guards.preemption
+        # Each member's next group (training/next_group.py): formed, or failed to.
+        # While one forms, every step checks: the joiners wait for the switch.
+        forming = t.inprocess.forming if t.inprocess is not None else None
+        ready, failed = (forming.ready, forming.failed) if forming is not None else (False, False)
         proposal = preemption.propose_interval(t.step) if t.ctx.rank == 0 else 0
+        if forming is not None and proposal:
+            proposal = 1
         # Rank 0's vote that a node waits to join (training/admission.py).
         joins = t.inprocess is not None and t.ctx.rank == 0 and t.inprocess.join_wanted()
-        values = (preemption.flag(), float(proposal), float(joins))
+        values = (preemption.flag(), float(proposal), float(joins), float(ready), float(failed))
         self._totals = torch.cat((loss_sum.reshape(1), loss_sum.new_tensor(values)))
         self._work = dist.all_reduce(self._totals, async_op=True)
 
@@ -182,10 +189,14 @@ class Agreement:
         """The global batch's mean loss per unit, and whether any rank was
         signalled to stop. ``units``: the step's global count."""
         self._work.wait()
-        loss_total, signalled, interval, joins = self._totals.tolist()
+        loss_total, signalled, interval, joins, ready, failed = self._totals.tolist()
         t.guards.preemption.checked(t.step, interval=round(interval))
-        if joins > 0 and t.inprocess is not None:
-            t.inprocess.admit_due = True
+        if t.inprocess is not None:
+            t.inprocess.admit_due = joins > 0
+            if failed > 0:
+                t.inprocess.forming_verdict = "failed"
+            elif round(ready) == t.ctx.world_size:
+                t.inprocess.forming_verdict = "ready"
         units = float(units)
         return (loss_total / units if units > 0 else 0.0), signalled > 0
 
