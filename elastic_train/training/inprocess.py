@@ -152,17 +152,17 @@ def abort_group(t: Trainer, *, planned: bool = False) -> None:
     gc.collect()  # the reducer must go while the group is registered (see loop.close)
     if not dist.is_initialized():
         return
+    gloo = t.ctx.backend == "gloo"
+    retired = [dist.distributed_c10d._get_default_group()] if planned and gloo else []
     if t.ctx.backend == "nccl":  # untested without a GPU: kept small and guarded
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is None:
             raise InProcessRecoveryError("this torch cannot abort an NCCL group in place")
         _run_guarded(abort, seconds=_ABORT_TIMEOUT_S)
-    retired = [dist.distributed_c10d._get_default_group()] if planned else []
     if dist.is_initialized():  # the abort also deregisters the group
         dist.destroy_process_group()
     gc.collect()
-    if t.ctx.backend == "gloo":
-        next_group.release(retired)
+    next_group.release(retired)
 
 
 def _run_guarded(call: Callable[[], Any], *, seconds: float) -> None:
