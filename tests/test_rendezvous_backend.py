@@ -255,14 +255,26 @@ def test_leader_down_during_rendezvous_of_three_member_cluster(tmp_path: Path) -
         endpoint = ",".join(m.endpoint for m in ordered)
         first = _params(endpoint, min_nodes=2, max_nodes=2)
         second = _same_run(first)
-        results: list[list[tuple[int, int]]] = []
-        early = threading.Thread(target=lambda: results.append(_rendezvous_all([first])))
+        results: list[list[tuple[int, int]] | BaseException] = []
+
+        def early_node() -> None:
+            try:
+                results.append(_rendezvous_all([first]))
+            except BaseException as exc:  # reported below: its shutdown closes the round
+                results.append(exc)
+
+        early = threading.Thread(target=early_node)
         early.start()
         time.sleep(0.5)  # let the first node join the round before the leader dies
         leader.kill()
-        results.append(_rendezvous_all([second]))
+        try:
+            results.append(_rendezvous_all([second]))
+        except BaseException as exc:
+            results.append(exc)
         early.join(60)
-        assert sorted(r for rs in results for r in rs) == [(0, 2), (1, 2)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, [f"{type(e).__name__}: {e}" for e in errors]
+        assert sorted(r for rs in results for r in rs) == [(0, 2), (1, 2)]  # type: ignore[union-attr]
     finally:
         cluster.stop()
 
