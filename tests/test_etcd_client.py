@@ -10,10 +10,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from elastic_train.errors import EtcdError, EtcdUnavailableError
-from elastic_train.etcd.client import EtcdClient, EtcdClientConfig, parse_endpoint
+from elastic_train.etcd.client import EtcdClient, EtcdClientConfig, fails_over, parse_endpoint
 from elastic_train.etcd.server import EtcdCluster, EtcdServer, free_port
 from elastic_train.etcd.sync import LeaseKeeper, WatchedKey
 
@@ -246,3 +247,35 @@ def _raises_unavailable(watched: WatchedKey) -> bool:
     except EtcdUnavailableError:
         return True
     return False
+
+
+class _Refusal(grpc.RpcError):
+    """An RpcError as grpc raises one (code and details), for the pure classifier below."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "expected"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "etcdserver: leader changed", True),
+        (grpc.StatusCode.UNAVAILABLE, "etcdserver: no leader", True),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", True),
+        # etcd's ErrGRPCNotLeader: during an election a lease call can get it
+        (grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: not leader", True),
+        (grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: some other precondition", False),
+        (grpc.StatusCode.PERMISSION_DENIED, "etcdserver: permission denied", False),
+        (grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found", False),
+    ],
+)
+def test_refusals_that_another_member_may_serve_fail_over(
+    code: grpc.StatusCode, details: str, expected: bool
+) -> None:
+    assert fails_over(_Refusal(code, details)) is expected

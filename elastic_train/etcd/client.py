@@ -32,6 +32,9 @@ DEFAULT_PORT = 2379
 PROTOCOLS = ("http", "https")
 # Errors that say "this member cannot serve now": try the next endpoint.
 _FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# etcd's ErrGRPCNotLeader (FailedPrecondition): a member that is not the leader, as
+# during an election (lease calls), where another member may be the leader already.
+_NOT_LEADER = "etcdserver: not leader"
 
 
 @dataclass(frozen=True)
@@ -392,7 +395,7 @@ class EtcdClient:
                     # Tokens expire (etcd --auth-token-ttl); log in again once.
                     self._token, reauthenticated = None, True
                     continue
-                if code not in _FAILOVER_CODES:
+                if not fails_over(exc):
                     raise self._translate(exc, member) from exc
                 failures[member.name] = _details(exc)
                 self._advance(member)
@@ -440,6 +443,13 @@ class EtcdClient:
 
 class LeaseExpiredError(EtcdError):
     """A write named a lease that has expired (etcd was unreachable for its whole TTL)."""
+
+
+def fails_over(exc: grpc.RpcError) -> bool:
+    """Whether another member may serve what this one refused."""
+    code = exc.code()
+    not_leader = code == grpc.StatusCode.FAILED_PRECONDITION and _NOT_LEADER in _details(exc)
+    return code in _FAILOVER_CODES or not_leader
 
 
 def _details(exc: grpc.RpcError) -> str:
