@@ -51,7 +51,10 @@ def available(backend: str) -> bool:
         backend == _BACKEND
         and dist.is_gloo_available()
         and all(hasattr(c10d, name) for name in needed)
-        and hasattr(dist.ProcessGroup, "_register_backend")
+        and all(
+            hasattr(dist.ProcessGroup, name)
+            for name in ("_register_backend", "_set_group_name", "_set_group_desc")
+        )
     )
 
 
