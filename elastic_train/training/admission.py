@@ -12,16 +12,19 @@ With ``elastic.recovery = "inprocess"`` (docs/recovery-inprocess.md, "Joins"):
    group trains (the imports, the compile of the data: the slow part of a
    restart), skip the restore, put a join request in etcd and wait.
 3. Rank 0 votes in the next check step's all-reduce (``step.Agreement``), so
-   every member learns at the same step that somebody waits. After that
-   step they admit: rank 0 proposes generation ``g + 1`` = the members and
-   the live joiners (up to ``--nnodes``' maximum), the others read it, every
-   member and joiner forms the new group (:func:`~.inprocess.regroup`, as
-   after a failure), the joiners receive the newest state by broadcast
-   (``roll_back(joining=True)``), and everybody rebuilds for the new world.
+   every member learns at the same step that somebody waits. After that step
+   every member starts forming generation ``g + 1`` = the members and the live
+   joiners (up to ``--nnodes``' maximum) in a thread (:func:`begin`,
+   ``next_group.Formation``) and trains on; the joiners form their side of it
+   (:func:`enter`). At the boundary of the first check step that finds the
+   group ready on every member, :func:`switch` makes it the default group, the
+   joiners receive the newest state by broadcast (``roll_back(joining=True)``),
+   and everybody rebuilds for the new world. Where that cannot run (NCCL, a
+   torch without the registry call), :func:`admit` forms it at the boundary.
 
-The members stall for the formation and the broadcast: no worker restart,
-no re-import, no reload. A failure during the admission is handled as any
-other (another agreement without the dead, or the restart path).
+The members stall for the switch only: no worker restart, no re-import, no
+reload. A failure during the admission is handled as any other (another
+agreement without the dead, or the restart path).
 """
 
 from __future__ import annotations
