@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elastic_train.errors import ConfigError, ElasticTrainError, MemberLostError
 from elastic_train.etcd.group_marker import answers
@@ -50,6 +50,7 @@ from elastic_train.training.inprocess import (
 )
 from elastic_train.training.membership import (
     EtcdAccess,
+    Generation,
     Member,
     Membership,
     json_from_env,
@@ -262,13 +263,8 @@ def switch(t: Trainer) -> None:
     if failure is not None:  # out of the except block, whose frames hold the broken group
         recover(t, failure)
         return
-    t.metrics.regrouped(cause="join", started_at=began, nodes=gen.nodes)
-    log.info(
-        "inprocess_admitted", step=t.step, generation=gen.number,
-        joiners=[m.id for m in gen.members if m.id not in old_ids], world_size=t.ctx.world_size,
-        old_world_size=old_world, seconds=round(time.perf_counter() - started, 4), **timings,
-        **background, steps_while_forming=t.step - ip.forming_step,
-    )  # fmt: skip
+    _admitted(t, gen, old_world=old_world, old_ids=old_ids, started=started, began=began,
+              **timings, **background, steps_while_forming=t.step - ip.forming_step)  # fmt: skip
 
 
 def admit(t: Trainer) -> None:
@@ -290,9 +286,18 @@ def admit(t: Trainer) -> None:
     except MemberLostError as exc:  # rank 0 died before it proposed: a failure like any
         recover(t, f"{type(exc).__name__}: {exc}")
         return
+    _admitted(t, gen, old_world=old_world, old_ids=old_ids, started=started, began=began,
+              **timings)  # fmt: skip
+
+
+def _admitted(
+    t: Trainer, gen: Generation, *, old_world: int, old_ids: set[str], started: float,
+    began: float, **extra: Any,
+) -> None:  # fmt: skip
+    """The metric and the log line of an admission; ``extra``: its timings."""
     t.metrics.regrouped(cause="join", started_at=began, nodes=gen.nodes)
     log.info(
         "inprocess_admitted", step=t.step, generation=gen.number,
         joiners=[m.id for m in gen.members if m.id not in old_ids], world_size=t.ctx.world_size,
-        old_world_size=old_world, seconds=round(time.perf_counter() - started, 4), **timings,
+        old_world_size=old_world, seconds=round(time.perf_counter() - started, 4), **extra,
     )  # fmt: skip
