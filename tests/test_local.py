@@ -139,6 +139,21 @@ def test_progress_shows_what_the_records_say() -> None:
     assert "killed" in node1 and "starting" in node2 and "world -" in node2
 
 
+def test_a_killed_nodes_late_record_does_not_pull_the_step_back() -> None:
+    # Seen in CI: node1 was killed after its step 9; its last record was read only
+    # after node0, alone in a new attempt, had finished step 20. The board showed 9/20.
+    def record(node: int, *, attempt: str, step: int, world: int, at: float) -> StepRecord:
+        return StepRecord(attempt=attempt, step=step, epoch=0, rank=node, world_size=world,
+                          node=f"node{node}", indices=(step,), loss=float(step), time=at)  # fmt: skip
+
+    board = ProgressBoard()
+    board.observe([record(0, attempt="a", step=9, world=2, at=9.0)])
+    board.observe([record(0, attempt="b", step=s, world=1, at=float(s + 1)) for s in range(9, 21)])
+    assert (board.step, board.world_size) == (20, 1)
+    board.observe([record(1, attempt="a", step=9, world=2, at=9.1)])
+    assert (board.step, board.world_size, board.loss) == (20, 1, 20.0)
+
+
 def test_progress_printer_plain_blocks_or_an_in_place_redraw() -> None:
     plain = io.StringIO()
     printer = ProgressPrinter(plain, interval_s=60)

@@ -247,8 +247,11 @@ class ProgressBoard:
         if acc[2] == record.world_size:
             # Only a step that every rank recorded has a global loss to show.
             del self._partial[key]
-            self.step, self.world_size = record.step, record.world_size
-            self.loss = acc[0] / acc[1] if acc[1] else None
+            if acc[3] >= self._last_completion:
+                # A killed node's last records can be read after the survivors
+                # moved on: a step completed earlier must not pull the headline back.
+                self.step, self.world_size = record.step, record.world_size
+                self.loss = acc[0] / acc[1] if acc[1] else None
             self._completions.append((acc[3], 1.0))
             self._first_completion = min(self._first_completion, acc[3])
             self._last_completion = max(self._last_completion, acc[3])
