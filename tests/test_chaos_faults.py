@@ -226,6 +226,9 @@ def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None
         etcd.stop()  # SIGTERM; the data dir stays
         outage["start"] = s.step
         outage["end"] = _end_the_outage(s, etcd)
+        # The outage used up to ~60 of the 180 steps; a slower pace leaves the rest
+        # ~60 s for the preemption and the rejoin, even on a loaded 2-core machine.
+        s.set_pause(0.5)
         s.wait_for_step(outage["end"] + 5)
         s.deliver("term", 1)
         s.wait_for_recovery(world_size=1)
