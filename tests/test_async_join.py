@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from chaos_runs import assert_completed_exactly_once, log_events, resumes_by_process
 from rendezvous_threads import poll_until
 from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_train.errors import InProcessRecoveryError, MemberLostError
@@ -34,7 +36,14 @@ from elastic_train.torchrun_plugin import inprocess_etcd_env
 from elastic_train.training import next_group
 from elastic_train.training.admission import ASYNC_JOIN_ENV as WORKER_ENV
 from elastic_train.training.admission import JoinTicket, JoinWatch
-from elastic_train.training.membership import ETCD_ENV, HEAD_SILENCE_S, EtcdAccess, Membership
+from elastic_train.training.membership import (
+    ETCD_ENV,
+    HEAD_SILENCE_S,
+    EtcdAccess,
+    Generation,
+    Member,
+    Membership,
+)
 from elastic_train.training.next_group import Formation
 
 # -- the side round -------------------------------------------------------------------
@@ -275,6 +284,27 @@ def test_a_next_group_whose_joiner_died_fails_on_every_member_without_hanging(
     for formation in formations:
         formation.drop()
     assert group[0].current is not None and group[0].current.number == 1
+
+
+def test_an_installed_group_is_torchs_default_group_and_goes_like_one() -> None:
+    # install() writes torch's registry itself below 2.13 (bash .ci/torch-floor runs
+    # this on 2.6): every supported torch must form next groups in the background.
+    assert next_group.available("gloo")
+    gen = Generation(number=7, members=(Member("node0/1", "127.0.0.1", 0, 0),), rank=0)
+    formed = next_group.form(dist.HashStore(), gen, timeout=10)
+    assert not dist.is_initialized()  # formed, known to no registry yet
+    next_group.install(formed)
+    try:
+        assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "gloo")
+        assert c10d._get_default_group().group_name == "inprocess-g7"
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor)
+        sub = dist.new_group([0])
+        dist.all_reduce(tensor, group=sub)
+        assert tensor.tolist() == [1.0, 1.0] and dist.get_process_group_ranks(sub) == [0]
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized() and not c10d._world.pg_map and not c10d._world.tags_to_pg
 
 
 # -- end to end ------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from elastic_train.training.membership import ETCD_ENV, EtcdAccess
 from elastic_train.training.recovery_mode import resolve_recovery, restart_reason
 
 SECRET = "s" * 32
+#: a torch that can recover in process, whichever runs these tests (the floor: 2.6)
+TORCH = "2.13.0"
 
 
 def _handover(**fields: object) -> str:
@@ -32,12 +34,14 @@ def _auto(*overrides: str) -> JobConfig:
 
 def test_auto_is_in_process_under_our_plugin_with_a_secret_and_gloo() -> None:
     environ = {ETCD_ENV: _handover(), SECRET_ENV: SECRET}
-    cfg = resolve_recovery(_auto(), backend="gloo", environ=environ)
+    cfg = resolve_recovery(_auto(), backend="gloo", environ=environ, torch_version=TORCH)
     assert cfg.elastic.recovery == "inprocess"
     # The rest of the job is untouched, and a concrete choice is left alone.
     assert cfg.training == _auto().training
     restart = load_config(None, ["elastic.recovery=restart"])
-    assert resolve_recovery(restart, backend="gloo", environ=environ) is restart
+    assert (
+        resolve_recovery(restart, backend="gloo", environ=environ, torch_version=TORCH) is restart
+    )
 
 
 def test_a_secret_file_or_an_insecure_rendezvous_count_as_signed(tmp_path: Path) -> None:
@@ -47,7 +51,7 @@ def test_a_secret_file_or_an_insecure_rendezvous_count_as_signed(tmp_path: Path)
         {ETCD_ENV: _handover(secret_file=str(secret))},
         {ETCD_ENV: _handover(insecure=True)},
     ):
-        assert restart_reason(_auto(), backend="gloo", environ=environ) is None
+        assert restart_reason(_auto(), backend="gloo", environ=environ, torch_version=TORCH) is None
 
 
 @pytest.mark.parametrize(
@@ -67,9 +71,29 @@ def test_auto_falls_back_to_restart_and_says_why(
     overrides: tuple[str, ...], backend: str, environ: dict[str, str], named: str
 ) -> None:
     cfg = _auto(*overrides)
-    reason = restart_reason(cfg, backend=backend, environ=environ)
+    reason = restart_reason(cfg, backend=backend, environ=environ, torch_version=TORCH)
     assert reason is not None and named in reason
-    assert resolve_recovery(cfg, backend=backend, environ=environ).elastic.recovery == "restart"
+    assert (
+        resolve_recovery(
+            cfg, backend=backend, environ=environ, torch_version=TORCH
+        ).elastic.recovery
+        == "restart"
+    )
+
+
+@pytest.mark.parametrize("version", ["2.6.0+cu124", "2.7.1"])
+def test_a_torch_older_than_2_8_runs_the_restart_path_or_refuses_inprocess(version: str) -> None:
+    # Below 2.8 a gloo group's destroy holds the GIL; a re-form deadlocked on 2.6.
+    environ = {ETCD_ENV: _handover(), SECRET_ENV: SECRET}
+    reason = restart_reason(_auto(), backend="gloo", environ=environ, torch_version=version)
+    assert reason is not None and f"torch {version}" in reason and ">= 2.8" in reason
+    cfg = resolve_recovery(_auto(), backend="gloo", environ=environ, torch_version=version)
+    assert cfg.elastic.recovery == "restart"
+    explicit = load_config(None, ["elastic.recovery=inprocess"])
+    with pytest.raises(ConfigError, match=r"elastic.recovery = 'inprocess'.*>= 2.8.*'restart'"):
+        resolve_recovery(explicit, backend="gloo", environ=environ, torch_version=version)
+    for newer in ("2.8.0", "2.13.0+cpu"):
+        assert restart_reason(_auto(), backend="gloo", environ=environ, torch_version=newer) is None
 
 
 def test_an_unusable_secret_is_an_error_not_a_quiet_fallback(tmp_path: Path) -> None:
@@ -83,7 +107,7 @@ def test_an_unusable_secret_is_an_error_not_a_quiet_fallback(tmp_path: Path) -> 
         ({ETCD_ENV: "{not json"}, f"{ETCD_ENV} is malformed"),
     ):
         with pytest.raises(ConfigError, match=named):
-            restart_reason(_auto(), backend="gloo", environ=environ)
+            restart_reason(_auto(), backend="gloo", environ=environ, torch_version=TORCH)
 
 
 def test_auto_with_fsdp2_loads_but_an_explicit_inprocess_is_refused() -> None:

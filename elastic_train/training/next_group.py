@@ -9,7 +9,8 @@ member reaches with the new group ready (``step.Agreement`` counts them), only
 installs it as the default group, moves the state to the joiners and rebuilds.
 
 Only gloo, and only on a torch whose group registry this module knows
-(:func:`available`): anywhere else the admission forms the group at the
+(:func:`available`: torch 2.6-2.13, checked with ``bash .ci/torch-floor``
+on 2.6): anywhere else the admission forms the group at the
 boundary as before. The group is built the way torch's
 ``_new_process_group_helper`` builds a default gloo group, but not registered
 until the switch, so a formation that is dropped (a failure meanwhile, a stop)
@@ -46,10 +47,12 @@ FORMATION_TIMEOUT_S = 10.0
 
 def available(backend: str) -> bool:
     """Whether groups of ``backend`` can be formed here and registered later."""
-    needed = ("_register_pg_in_world", "_update_default_pg", "BackendConfig", "Backend")
+    needed = ("_update_default_pg", "BackendConfig", "Backend", "_world")
+    registry = hasattr(c10d, "_register_pg_in_world") or hasattr(c10d, "_register_process_group")
     return (
         backend == _BACKEND
         and dist.is_gloo_available()
+        and registry
         and all(hasattr(c10d, name) for name in needed)
         and all(
             hasattr(dist.ProcessGroup, name)
@@ -102,12 +105,31 @@ def install(new: NewGroup) -> None:
     """Make ``new`` torch's default group, registered as ``init_process_group`` does."""
     assert not dist.is_initialized(), "destroy the old default group first"
     backend = c10d.Backend(_BACKEND)
-    c10d._register_pg_in_world(
-        new.group, backend_name=backend, store=new.store, group_name=new.group.group_name,
-        backend_config=str(c10d.BackendConfig(backend)),
-        rank_mapping={rank: rank for rank in range(new.group.size())}, add_to_default_tag=True,
-    )  # fmt: skip
+    ranks = {rank: rank for rank in range(new.group.size())}
+    if hasattr(c10d, "_register_pg_in_world"):  # torch >= 2.13
+        c10d._register_pg_in_world(
+            new.group, backend_name=backend, store=new.store, group_name=new.group.group_name,
+            backend_config=str(c10d.BackendConfig(backend)), rank_mapping=ranks,
+            add_to_default_tag=True,
+        )  # fmt: skip
+    else:
+        _register_before_2_13(new, backend)
+        c10d._world.pg_group_ranks[new.group] = ranks
     c10d._update_default_pg(new.group)
+
+
+def _register_before_2_13(new: NewGroup, backend: str) -> None:
+    """What ``_new_process_group_helper`` of torch 2.6-2.12 writes into the
+    registry for a default group, which 2.13 moved into ``_register_pg_in_world``."""
+    world, group, name = c10d._world, new.group, new.group.group_name
+    world.pg_map[group] = (backend, new.store)
+    world.pg_names[group] = name
+    c10d._register_process_group(name, group)
+    world.pg_backend_config[group] = str(c10d.BackendConfig(backend))
+    tag = f"ptd:{name}"
+    world.tags_to_pg.setdefault("", []).append(group)
+    world.tags_to_pg.setdefault(tag, []).append(group)
+    world.pg_to_tag[group] = tag
 
 
 def release(holder: list[Any]) -> None:

@@ -16,7 +16,14 @@ DDP, global batches          a step that does not depend on the world size
 gloo                         NCCL's communicator abort has run on one GPU
                              (tests/test_cuda.py), but a peer's death inside
                              a multi-rank NCCL collective has not
+torch >= 2.8                 older releases destroy a gloo group holding the
+                             GIL; a gloo thread that frees a tensor then
+                             waits for the GIL, and the survivor's re-form
+                             deadlocks (seen on 2.6 with ``bash
+                             .ci/torch-floor``; fixed by pytorch#154976)
 ===========================  ===============================================
+
+``"inprocess"`` asked for explicitly on an older torch is refused at start.
 
 Every worker of a job resolves the same way: the inputs are the job's config
 and the plugin's hand-over, which are the same on every node, and the backend,
@@ -29,22 +36,43 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+import torch
+
 from elastic_train.config.job import JobConfig
+from elastic_train.errors import ConfigError
 from elastic_train.log import get_logger
 from elastic_train.training.membership import ETCD_ENV, EtcdAccess
 
 log = get_logger(__name__)
 
+#: The first torch whose ProcessGroup is destroyed without the GIL (pytorch#154976).
+INPROCESS_MIN_TORCH = (2, 8)
+
+
+def torch_reason(version: str = torch.__version__) -> str | None:
+    """Why this torch cannot recover in process; None: it can."""
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if release >= INPROCESS_MIN_TORCH:
+        return None
+    return (
+        f"torch {version} (in process needs torch >= 2.8: older releases destroy a "
+        "gloo group holding the GIL, which can deadlock a survivor's re-form)"
+    )
+
 
 def restart_reason(
-    cfg: JobConfig, *, backend: str, environ: Mapping[str, str] = os.environ
-) -> str | None:
+    cfg: JobConfig, *, backend: str, environ: Mapping[str, str] = os.environ,
+    torch_version: str = torch.__version__,
+) -> str | None:  # fmt: skip
     """Why ``"auto"`` runs the restart path for this worker; None: in process."""
     if (cfg.training.parallel, cfg.training.batch_mode) != ("ddp", "global"):
         return (
             f"training.parallel = {cfg.training.parallel!r} and training.batch_mode = "
             f"{cfg.training.batch_mode!r} (in process needs 'ddp' and 'global')"
         )
+    blocker = torch_reason(torch_version)
+    if blocker is not None:
+        return blocker
     if backend != "gloo":
         return (
             f"the {backend} backend (in process runs gloo only: a peer's death inside "
@@ -59,15 +87,22 @@ def restart_reason(
 
 
 def resolve_recovery(
-    cfg: JobConfig, *, backend: str, environ: Mapping[str, str] = os.environ
-) -> JobConfig:
+    cfg: JobConfig, *, backend: str, environ: Mapping[str, str] = os.environ,
+    torch_version: str = torch.__version__,
+) -> JobConfig:  # fmt: skip
     """``cfg`` with ``elastic.recovery`` "restart" or "inprocess" (``"auto"`` decided);
     the log line ``recovery_mode`` says which, and why "auto" ran the restart path."""
     requested = cfg.elastic.recovery
+    blocker = torch_reason(torch_version)
+    if requested == "inprocess" and blocker is not None:
+        raise ConfigError(
+            f"elastic.recovery = 'inprocess' cannot run on {blocker}; "
+            "accepted here: 'auto' or 'restart'"
+        )
     if requested != "auto":
         log.info("recovery_mode", mode=requested, requested=requested)
         return cfg
-    reason = restart_reason(cfg, backend=backend, environ=environ)
+    reason = restart_reason(cfg, backend=backend, environ=environ, torch_version=torch_version)
     mode = "restart" if reason else "inprocess"
     log.info("recovery_mode", mode=mode, requested="auto", **({"reason": reason} if reason else {}))
     elastic = dataclasses.replace(cfg.elastic, recovery=mode)
