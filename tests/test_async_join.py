@@ -26,6 +26,7 @@ from rendezvous_threads import poll_until
 from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch_support import needs_inprocess
 
 from elastic_train.errors import InProcessRecoveryError, MemberLostError
 from elastic_train.etcd.codec import ValueCodec
@@ -247,6 +248,7 @@ def _formations(group: tuple[Membership, Membership], joiners: list) -> list[For
                       probe_timeout=1.0) for m in group]  # fmt: skip
 
 
+@needs_inprocess
 def test_the_members_form_the_next_group_with_the_joiner_while_they_train(
     group: tuple[Membership, Membership], joiner: Membership
 ) -> None:
@@ -273,6 +275,7 @@ def test_the_members_form_the_next_group_with_the_joiner_while_they_train(
     assert all(seconds["formation_s"] >= 0 for _, _, seconds in taken)
 
 
+@needs_inprocess
 def test_a_next_group_whose_joiner_died_fails_on_every_member_without_hanging(
     group: tuple[Membership, Membership], joiner: Membership
 ) -> None:
@@ -312,6 +315,7 @@ def test_an_installed_group_is_torchs_default_group_and_goes_like_one() -> None:
 JOIN_STEPS = 1400
 
 
+@needs_inprocess
 @pytest.mark.slow
 def test_a_node_killed_and_started_again_joins_without_restarting_anyone(
     tmp_path: Path,

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 from chaos_runs import log_events
+from torch_support import needs_inprocess
 from trainer_procs import run_workers
 
 from elastic_train.agent.zygote import trainer_processes
@@ -250,6 +251,7 @@ def test_etcd_outage_and_restart_then_sigterm_and_rejoin(tmp_path: Path) -> None
     assert "rendezvous_etcd_unreachable" in logs  # the agents noticed the outage, and rode it out
 
 
+@needs_inprocess
 @pytest.mark.slow
 def test_a_kill_during_an_etcd_outage_falls_back_to_the_restart_path(tmp_path: Path) -> None:
     """In process (the default), a node is killed while etcd is down: the survivor
@@ -343,6 +345,7 @@ def test_hung_worker_is_detected_while_etcd_loses_its_leader(tmp_path: Path) -> 
     assert "etcd_failover" in logs  # the clients moved to another member
 
 
+@needs_inprocess
 @pytest.mark.slow
 def test_a_kill_while_etcd_elects_a_leader_recovers_in_process(tmp_path: Path) -> None:
     """In process (the default), the survivors of a kill agree on their next group

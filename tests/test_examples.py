@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch_support import needs_fsdp2
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -94,7 +95,7 @@ def test_own_script_example_trains_as_one_process(tmp_path: Path) -> None:
 CHAOS = "kill:1@step20,join:1@step40"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=needs_fsdp2), "resnet"])
 def test_local_toml_is_a_valid_config(name: str) -> None:
     """Every key the example's local.toml sets exists and holds a valid value."""
     from elastic_train.config.load import load_config
@@ -127,6 +128,7 @@ def _assert_chaos_survived(summary: dict[str, Any], *, steps: int) -> None:
     assert kinds == [("kill", 1, 2), ("join", 1, 3)], summary["recoveries"]
 
 
+@needs_fsdp2
 @pytest.mark.slow
 def test_gpt2_example_survives_a_kill_and_a_join_exactly_once(tmp_path: Path) -> None:
     """A Hugging Face GPT-2 (dict batches, loss over the real tokens) on 3 nodes."""

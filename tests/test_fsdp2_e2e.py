@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 from chaos_runs import PACED_STEPS, assert_completed_exactly_once, worker_records
 from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
+from torch_support import needs_fsdp2
 
 STEPS = PACED_STEPS
 TRAINER_ARGS = [*STEERED_MLP, "--training.parallel=fsdp2"]
 
 
+@needs_fsdp2
 @pytest.mark.slow
 def test_fsdp2_kill_and_join_end_where_a_fault_free_run_does(tmp_path: Path) -> None:
     run_dir = tmp_path / "chaos"

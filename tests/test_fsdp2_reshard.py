@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch_support import needs_fsdp2
 
 from elastic_train.config.job import TrainingConfig
 from elastic_train.errors import (
@@ -123,6 +124,7 @@ def _assert_same(saved: Any, loaded: Any, where: str) -> None:
         assert saved == loaded, where
 
 
+@needs_fsdp2
 @pytest.mark.slow
 def test_checkpoint_saved_at_world_2_loads_at_world_3_identically(tmp_path: Path) -> None:
     mp.spawn(_save_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -169,6 +171,7 @@ def test_metadata_naming_a_foreign_global_is_refused_before_it_is_built(tmp_path
     assert not (tmp_path / "ran").exists()
 
 
+@needs_fsdp2
 def test_fsdp2_refuses_options_it_does_not_combine_with() -> None:
     from elastic_train.config.job import CheckpointConfig, EvalConfig, JobConfig
     from elastic_train.errors import ConfigError
@@ -258,6 +261,7 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -
     optimizer.zero_grad()
 
 
+@needs_fsdp2
 def test_a_failed_or_damaged_save_leaves_the_last_good_checkpoint(
     tmp_path: Path, one_rank_group: None
 ) -> None:

@@ -27,6 +27,7 @@ import pytest
 import torch.distributed as dist
 from chaos_runs import ENV, log_events, resumes_by_process
 from steered_runs import Pace, assert_ends_like, run_steered
+from torch_support import needs_inprocess
 from workers import start_workers
 
 from elastic_train.audit import AuditTail, StepRecord
@@ -252,6 +253,7 @@ def _run_local(
     return summary, (run_dir.parent / f"{run_dir.name}-local.stderr").read_text()
 
 
+@needs_inprocess
 @pytest.mark.slow
 def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     tmp_path: Path,
@@ -292,6 +294,7 @@ def test_survivors_keep_their_processes_through_a_kill_and_a_rank0_kill(
     assert_ends_like(summary, run_dir, tmp_path / "reference", TRAINER_ARGS)
 
 
+@needs_inprocess
 @pytest.mark.slow
 def test_a_kill_during_an_evaluation_re_forms_the_group_and_evaluates_again(
     tmp_path: Path,
@@ -322,6 +325,7 @@ def test_a_kill_during_an_evaluation_re_forms_the_group_and_evaluates_again(
     assert_ends_like(summary, run_dir, tmp_path / "reference", [*TRAINER_ARGS, *eval_args])
 
 
+@needs_inprocess
 @pytest.mark.slow
 def test_a_preempted_node_leaves_and_the_others_stay_in_their_processes(tmp_path: Path) -> None:
     """SIGTERM to node 1 of 3 (a preemption), in process: every rank stops after the

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from chaos_runs import assert_ran_exactly_once, assert_same_end, log_events, worker_records
 from fault_hooks import probe_lines
 from steered_runs import Pace, forked_reference, run_steered
+from torch_support import needs_inprocess
 
 from elastic_train.audit import AuditTail, StepRecord
 from elastic_train.config.load import load_config
@@ -138,7 +139,10 @@ def _inprocess_pause(steps: list[StepRecord]) -> float:
     return JOIN_WAIT_S if not joined and any(s.step >= 20 for s in steps) else PAUSE_S
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(m, marks=needs_inprocess) if m == "inprocess" else m for m in MODES],
+)
 def five_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     mode = request.param
     run_dir = tmp_path_factory.mktemp(f"faults-{mode}")

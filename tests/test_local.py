@@ -143,8 +143,10 @@ def test_a_killed_nodes_late_record_does_not_pull_the_step_back() -> None:
     # Seen in CI: node1 was killed after its step 9; its last record was read only
     # after node0, alone in a new attempt, had finished step 20. The board showed 9/20.
     def record(node: int, *, attempt: str, step: int, world: int, at: float) -> StepRecord:
-        return StepRecord(attempt=attempt, step=step, epoch=0, rank=node, world_size=world,
-                          node=f"node{node}", indices=(step,), loss=float(step), time=at)  # fmt: skip
+        return StepRecord(
+            attempt=attempt, step=step, epoch=0, rank=node, world_size=world,
+            node=f"node{node}", indices=(step,), loss=float(step), time=at,
+        )  # fmt: skip
 
     board = ProgressBoard()
     board.observe([record(0, attempt="a", step=9, world=2, at=9.0)])

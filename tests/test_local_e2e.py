@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from chaos_runs import PACED_STEPS, assert_completed_exactly_once, log_events
 from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
+from torch_support import needs_inprocess
 
 STEPS = PACED_STEPS
 #: Every step evaluates (a collective between steps), on a few samples
@@ -49,6 +50,7 @@ def test_resized_run_ends_where_an_uninterrupted_run_does(
     assert_ends_like(summary, run_dir, tmp_path / "reference", TRAINER_ARGS)
 
 
+@needs_inprocess
 @pytest.mark.slow
 def test_a_join_at_a_step_that_evaluates_keeps_every_process(
     chaos_run: tuple[dict, Path],

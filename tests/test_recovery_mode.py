@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from torch_support import needs_fsdp2
 
 from elastic_train.config.job import JobConfig
 from elastic_train.config.load import load_config
@@ -62,8 +63,8 @@ def test_a_secret_file_or_an_insecure_rendezvous_count_as_signed(tmp_path: Path)
         ((), "nccl", {ETCD_ENV: _handover(), SECRET_ENV: SECRET}, "nccl"),
         (("training.batch_mode=per_worker",), "gloo",
          {ETCD_ENV: _handover(), SECRET_ENV: SECRET}, "per_worker"),
-        (("training.parallel=fsdp2",), "gloo", {ETCD_ENV: _handover(), SECRET_ENV: SECRET},
-         "fsdp2"),
+        pytest.param(("training.parallel=fsdp2",), "gloo",
+                     {ETCD_ENV: _handover(), SECRET_ENV: SECRET}, "fsdp2", marks=needs_fsdp2),
     ],
     ids=["no-torchrun-plugin", "no-secret", "nccl", "per-worker-batches", "fsdp2"],
 )  # fmt: skip
@@ -110,6 +111,7 @@ def test_an_unusable_secret_is_an_error_not_a_quiet_fallback(tmp_path: Path) -> 
             restart_reason(_auto(), backend="gloo", environ=environ, torch_version=TORCH)
 
 
+@needs_fsdp2
 def test_auto_with_fsdp2_loads_but_an_explicit_inprocess_is_refused() -> None:
     assert _auto("training.parallel=fsdp2").elastic.recovery == "auto"
     with pytest.raises(ConfigError, match=r"elastic\.recovery.*training\.parallel"):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch_support import needs_inprocess
 
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
@@ -124,6 +125,7 @@ def test_restart_writes_no_duplicate_or_backwards_steps(tmp_path: Path) -> None:
     assert recovery["lost_steps"] >= 1, recovery
 
 
+@needs_inprocess
 @pytest.mark.slow
 def test_in_process_the_new_rank0_takes_the_trackers_over(tmp_path: Path) -> None:
     """Rank 0's node is killed at step 12 and the survivors re-form in their

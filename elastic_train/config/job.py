@@ -281,7 +281,7 @@ class ElasticConfig:
     #: known to work, else restart (training/recovery_mode.py lists the
     #: conditions; the log line ``recovery_mode`` says which ran); "inprocess"
     #: (survivors re-form the group through etcd without a restart; needs our
-    #: etcd rendezvous, docs/recovery-inprocess.md) or "restart" (every worker
+    #: etcd rendezvous and torch >= 2.8, docs/recovery-inprocess.md) or "restart" (every worker
     #: exits and torchrun's agent restarts the group).
     recovery: Literal["restart", "inprocess", "auto"] = "auto"
     #: In-process recovery: re-forms tried per failure (a peer failing during one

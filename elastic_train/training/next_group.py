@@ -9,9 +9,9 @@ member reaches with the new group ready (``step.Agreement`` counts them), only
 installs it as the default group, moves the state to the joiners and rebuilds.
 
 Only gloo, and only on a torch whose group registry this module knows
-(:func:`available`: torch 2.6-2.13, checked with ``bash .ci/torch-floor``
-on 2.6): anywhere else the admission forms the group at the
-boundary as before. The group is built the way torch's
+(:func:`available`: 2.6-2.13, checked on 2.6 with ``bash .ci/torch-floor``;
+in-process recovery itself needs 2.8, ``recovery_mode.py``): anywhere else
+the admission forms the group at the boundary as before. The group is built the way torch's
 ``_new_process_group_helper`` builds a default gloo group, but not registered
 until the switch, so a formation that is dropped (a failure meanwhile, a stop)
 leaves torch's registry untouched: the object is released, nothing else.

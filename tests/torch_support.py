@@ -1,0 +1,26 @@
+"""Skips for tests of features the installed torch lacks (``bash .ci/torch-floor`` runs 2.6).
+
+Each reason is the product's own check, so a skip here is exactly a refusal there.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+import pytest
+
+from elastic_train.config.job import FSDP2_MIN_TORCH
+from elastic_train.training.recovery_mode import torch_reason
+
+_TORCH = importlib.metadata.version("torch")
+_RELEASE = tuple(int(part) for part in re.findall(r"\d+", _TORCH)[:2])
+
+#: in-process recovery (elastic.recovery = "inprocess", or "auto" expected to run it)
+needs_inprocess = pytest.mark.skipif(
+    torch_reason() is not None, reason=f"in-process recovery: {torch_reason()}"
+)
+#: training.parallel = "fsdp2"
+needs_fsdp2 = pytest.mark.skipif(
+    _RELEASE < FSDP2_MIN_TORCH, reason=f"FSDP2 needs torch >= 2.7 (installed: {_TORCH})"
+)
