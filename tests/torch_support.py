@@ -6,15 +6,13 @@ Each reason is the product's own check, so a skip here is exactly a refusal ther
 from __future__ import annotations
 
 import importlib.metadata
-import re
 
 import pytest
 
-from elastic_train.config.job import FSDP2_MIN_TORCH
+from elastic_train.config.job import FSDP2_MIN_TORCH, torch_release
 from elastic_train.training.recovery_mode import torch_reason
 
 _TORCH = importlib.metadata.version("torch")
-_RELEASE = tuple(int(part) for part in re.findall(r"\d+", _TORCH)[:2])
 
 #: in-process recovery (elastic.recovery = "inprocess", or "auto" expected to run it)
 needs_inprocess = pytest.mark.skipif(
@@ -22,5 +20,6 @@ needs_inprocess = pytest.mark.skipif(
 )
 #: training.parallel = "fsdp2"
 needs_fsdp2 = pytest.mark.skipif(
-    _RELEASE < FSDP2_MIN_TORCH, reason=f"FSDP2 needs torch >= 2.7 (installed: {_TORCH})"
+    torch_release(_TORCH) < FSDP2_MIN_TORCH,
+    reason=f"FSDP2 needs torch >= 2.7 (installed: {_TORCH})",
 )

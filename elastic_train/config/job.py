@@ -432,6 +432,12 @@ def _builtin_or_import_string(component: Any, key: str, builtins: tuple[str, ...
 FSDP2_MIN_TORCH = (2, 7)
 
 
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: "2.10.0a0+git1" -> (2, 10)."""
+    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
+    return major, minor
+
+
 def _check_fsdp2(cfg: TrainingConfig) -> None:
     """What ``parallel = "fsdp2"`` cannot combine with; read without importing torch."""
     also = "with training.parallel = 'fsdp2'"
@@ -445,8 +451,7 @@ def _check_fsdp2(cfg: TrainingConfig) -> None:
         version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         return  # torch's own import error says more
-    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    _check(cfg, "parallel", found >= FSDP2_MIN_TORCH,
+    _check(cfg, "parallel", torch_release(version) >= FSDP2_MIN_TORCH,
            f"needs torch >= {'.'.join(map(str, FSDP2_MIN_TORCH))} "
            f"(installed: {version}); use 'ddp' or upgrade torch")  # fmt: skip
 

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 
 import torch
 
-from elastic_train.config.job import JobConfig
+from elastic_train.config.job import JobConfig, torch_release
 from elastic_train.errors import ConfigError
 from elastic_train.log import get_logger
 from elastic_train.training.membership import ETCD_ENV, EtcdAccess
@@ -51,8 +51,7 @@ INPROCESS_MIN_TORCH = (2, 8)
 
 def torch_reason(version: str = torch.__version__) -> str | None:
     """Why this torch cannot recover in process; None: it can."""
-    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    if release >= INPROCESS_MIN_TORCH:
+    if torch_release(version) >= INPROCESS_MIN_TORCH:
         return None
     return (
         f"torch {version} (in process needs torch >= 2.8: older releases destroy a "
