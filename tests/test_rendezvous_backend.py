@@ -254,27 +254,34 @@ def test_leader_down_during_rendezvous_of_three_member_cluster(tmp_path: Path) -
         ordered = [leader] + [m for m in cluster.members if m is not leader]
         endpoint = ",".join(m.endpoint for m in ordered)
         first = _params(endpoint, min_nodes=2, max_nodes=2)
-        second = _same_run(first)
-        results: list[list[tuple[int, int]] | BaseException] = []
+        handlers = [rendezvous.create_handler(first), rendezvous.create_handler(_same_run(first))]
+        results: list[tuple[int, int] | BaseException | None] = [None, None]
 
-        def early_node() -> None:
+        def join(i: int) -> None:
             try:
-                results.append(_rendezvous_all([first]))
-            except BaseException as exc:  # reported below: its shutdown closes the round
-                results.append(exc)
+                info = handlers[i].next_rendezvous()
+                results[i] = (info.rank, info.world_size)
+            except BaseException as exc:  # reported below
+                results[i] = exc
 
-        early = threading.Thread(target=early_node)
-        early.start()
-        time.sleep(0.5)  # let the first node join the round before the leader dies
-        leader.kill()
+        # Both handlers shut down only once both are done: a handler's shutdown
+        # closes the rendezvous, and the early node, failing over from the dead
+        # leader, could still be on its way to the completed round (seen in CI).
+        threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in (0, 1)]
         try:
-            results.append(_rendezvous_all([second]))
-        except BaseException as exc:
-            results.append(exc)
-        early.join(60)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        assert not errors, [f"{type(e).__name__}: {e}" for e in errors]
-        assert sorted(r for rs in results for r in rs) == [(0, 2), (1, 2)]  # type: ignore[union-attr]
+            threads[0].start()
+            time.sleep(0.5)  # let the first node join the round before the leader dies
+            leader.kill()
+            threads[1].start()
+            deadline = time.monotonic() + 60
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for handler in handlers:
+                handler.shutdown()
+        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+        assert not errors, errors
+        assert sorted(results) == [(0, 2), (1, 2)], results  # type: ignore[type-var]
     finally:
         cluster.stop()
 
