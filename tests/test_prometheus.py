@@ -30,6 +30,7 @@ from prom_tools import (
     wait_for,
 )
 from steered_runs import Pace, RejoinWatch
+from torch_support import needs_inprocess
 
 from elastic_train.etcd.server import free_port
 from elastic_train.local.chaos import parse_schedule
@@ -264,7 +265,7 @@ def _noticed_kill(tmp_path: Path) -> float:
 
 @needs_prometheus
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["restart", "inprocess"])
+@pytest.mark.parametrize("mode", ["restart", pytest.param("inprocess", marks=needs_inprocess)])
 def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(
     tmp_path: Path, mode: str
 ) -> None:
