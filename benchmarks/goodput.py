@@ -4,7 +4,7 @@ later, for ``ours`` and ``c10d-tuned`` (torchrun c10d, tuned, driving the plain
 DDP script) in the same run.
 
     python -m benchmarks.goodput --minutes 10 --every 30          # results/goodput.json
-    python -m benchmarks.goodput --recovery inprocess             # ours with elastic.recovery
+    python -m benchmarks.goodput --recovery restart               # ours' elastic.recovery (default: auto)
     python -m benchmarks.goodput_score benchmarks/results/goodput.json   # rescore, no run
     python -m benchmarks.goodput_long --faults 1000               # the exactly-once soak
 
@@ -60,7 +60,7 @@ NODES = goodput_score.NODES
 TICK_S = 0.2
 #: the width of the bins useful steps are counted in, for the plot over time
 BIN_S = 1.0
-RecoveryMode = Literal["restart", "inprocess"]
+RecoveryMode = Literal["auto", "inprocess", "restart"]
 
 
 @dataclass(frozen=True)
@@ -265,12 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="a sleep per forward in both scripts (benchmarks.workloads' step_seconds)",
     )
-    p.add_argument(
-        "--recovery",
-        choices=("restart", "inprocess"),
-        default="restart",
-        help="ours' elastic.recovery",
-    )
+    harness.add_recovery_argument(p)
     return p.parse_args(argv)
 
 

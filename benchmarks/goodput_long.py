@@ -152,7 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-rtol", type=float, default=0.01)
     p.add_argument("--event-timeout", type=float, default=120.0)
-    p.add_argument("--recovery", choices=("restart", "inprocess"), default="restart")
+    harness.add_recovery_argument(p)
     p.add_argument(
         "--pace-ms",
         type=float,

@@ -243,6 +243,19 @@ def base_parser(description: str, *, default_repeats: int) -> argparse.ArgumentP
     return p
 
 
+#: ``--recovery``: ours' ``elastic.recovery``. "auto", the product's default, runs
+#: in process under our torchrun plugin (torch >= 2.8), so a default run measures
+#: what a user gets.
+RECOVERY_MODES = ("auto", "inprocess", "restart")
+
+
+def add_recovery_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--recovery", choices=RECOVERY_MODES, default="auto",
+        help="ours' elastic.recovery (default: auto, the product's default)",
+    )  # fmt: skip
+
+
 def select_competitors(spec: str) -> list[Competitor]:
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in COMPETITORS]

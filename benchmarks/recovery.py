@@ -8,13 +8,14 @@ measured as ``benchmarks.events`` describes.
     python -m benchmarks.recovery --repeats 5
     python -m benchmarks.recovery --repeats 5 --target rank0     # results/recovery_rank0.json
     python -m benchmarks.recovery --repeats 5 --target nonzero   # results/recovery_nonzero.json
-    python -m benchmarks.recovery --repeats 5 --recovery inprocess  # recovery_inprocess.json
+    python -m benchmarks.recovery --repeats 5 --recovery restart  # recovery_restart.json
 
 ``--target`` picks the node killed: the last one started (default), the one
 running global rank 0 (the rendezvous and the checkpoint writer of the plain
-script live there), or one running another rank. ``--recovery inprocess`` runs
-ours with ``elastic.recovery = "inprocess"`` (the survivors keep their
-processes); the competitors run as always, so the file holds both.
+script live there), or one running another rank. ``--recovery`` sets ours'
+``elastic.recovery``: by default ``auto``, the product's default (in process:
+the survivors keep their processes); ``restart`` or ``inprocess`` name the
+file after the mode. The competitors run as always, so the file holds both.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def measure(
     warmup_steps: int = 60,
     timeout: float = 150.0,
     target: Target = "last",
-    recovery: str = "restart",
+    recovery: str = "auto",
 ) -> dict[str, Any]:
     return measure_event(
         comp,
@@ -77,8 +78,7 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
     parser.add_argument("--target", choices=("last", "rank0", "nonzero"), default="last")
-    parser.add_argument("--recovery", choices=("restart", "inprocess"), default="restart",
-                        help="ours' elastic.recovery")  # fmt: skip
+    harness.add_recovery_argument(parser)
     args = parser.parse_args(argv)
     competitors = harness.select_competitors(args.competitors)
     kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60}
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         kwargs = {"nodes": 2, "warmup_steps": 5, "timeout": 60.0}
     kwargs["target"], kwargs["recovery"] = args.target, args.recovery
     name = "recovery" if args.target == "last" else f"recovery_{args.target}"
-    if args.recovery == "inprocess":
-        name += "_inprocess"
+    if args.recovery != "auto":
+        name += f"_{args.recovery}"
     harness.run_benchmark(
         f"{name}_smoke" if args.smoke else name,
         args,

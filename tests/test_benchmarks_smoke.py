@@ -60,7 +60,8 @@ def check_event(run_: dict[str, Any], *, kind: str, world_after: int, timeout: f
     """The audited recovery is self-consistent: stages in order, before the first step."""
     assert run_["kind"] == kind and run_["world_size_after"] == world_after
     assert 0 < run_["seconds"] < timeout
-    assert run_["restore_source"] in ("disk", "snapshot", "none")
+    # "inprocess": the survivors kept their state (recovery "auto" under our plugin).
+    assert run_["restore_source"] in ("disk", "snapshot", "none", "inprocess")
     assert run_["lost_steps"] >= 0
     assert 0 < run_["restored_seconds"] <= run_["seconds"]
     if run_["round_closed_seconds"] is not None:
