@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from elastic_train.agent.verdict import (
     CONFIG_ERROR_FILE_ENV,
+    config_error_file,
     read_config_error,
+    remove_stale_directories,
     report_config_error,
 )
 
@@ -28,3 +33,47 @@ def test_an_unwritable_file_costs_only_the_report(tmp_path: Path) -> None:
     missing_dir = tmp_path / "gone" / "config_error"
     report_config_error("anything", {CONFIG_ERROR_FILE_ENV: str(missing_dir)})  # no raise
     assert read_config_error(missing_dir) is None
+
+
+def test_an_agents_directory_is_named_after_it_and_removed_at_its_exit(tmp_path: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path; from elastic_train.agent.verdict import "
+        "config_error_file; import os; print(os.getpid(), config_error_file(Path(sys.argv[1])))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    pid, path = done.stdout.split()
+    reported = Path(path)
+    assert reported.parent.parent == tmp_path and reported.name == "config_error"
+    assert reported.parent.name.startswith(f"elastic_train-agent-{pid}-")
+    assert not reported.parent.exists()  # its atexit removed it
+
+
+def test_a_new_agent_removes_only_the_empty_directories_of_agents_that_are_gone(
+    tmp_path: Path,
+) -> None:
+    # Real pids: one of a process that has exited, one of a process still running.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_empty = tmp_path / f"elastic_train-agent-{gone.pid}-abc"
+        dead_reported = tmp_path / f"elastic_train-agent-{gone.pid}-def"
+        alive_empty = tmp_path / f"elastic_train-agent-{running.pid}-ghi"
+        old_format = tmp_path / "elastic_train-agent-0a1b2c3d"  # before pids were in names
+        for directory in (dead_empty, dead_reported, alive_empty, old_format):
+            directory.mkdir()
+        (dead_reported / "config_error").write_text("model.name = 'x': no such model")
+        mine = config_error_file(tmp_path)
+        assert not dead_empty.exists()
+        assert read_config_error(dead_reported / "config_error") == (
+            "model.name = 'x': no such model"
+        )  # a report is never removed
+        assert alive_empty.exists() and old_format.exists()
+        assert mine.parent.name.startswith(f"elastic_train-agent-{os.getpid()}-")
+        assert mine.parent.stat().st_mode & 0o777 == 0o700
+        remove_stale_directories(tmp_path)  # a live agent's own directory stays
+        assert mine.parent.exists()
+    finally:
+        running.kill()
+        running.wait()

@@ -49,9 +49,7 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -166,9 +164,7 @@ class NodeAgent:
 
     def _listen_for_config_errors(self) -> None:
         """A directory of this agent's for a worker's configuration error (verdict.py)."""
-        directory = Path(tempfile.mkdtemp(prefix="elastic_train-agent-"))
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        self._config_error_file = directory / "config_error"
+        self._config_error_file = verdict.config_error_file()
         os.environ[verdict.CONFIG_ERROR_FILE_ENV] = str(self._config_error_file)
 
     def _exit_on_config_error(self) -> None:

@@ -14,18 +14,35 @@ code instead of restarting.
 Without the variable (a plain ``torchrun`` of another launcher, ``spawn``)
 nothing is written and nothing changes. A file that cannot be written costs
 only the old behaviour (the restarts).
+
+The directory is named after the agent's pid (:func:`config_error_file`). An
+agent removes its own at exit; one that was SIGKILLed cannot, so each new
+agent first removes the empty directories of agents that are gone. Only
+empty ones: ``rmdir`` fails on a directory that holds a report, so none is
+lost. (Agents in different pid namespaces that share one ``/tmp`` may take
+each other's for gone; the removed directory then costs its agent only the
+report, i.e. the restarts.)
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from elastic_train.log import get_logger
 
-__all__ = ["CONFIG_ERROR_FILE_ENV", "read_config_error", "report_config_error"]
+__all__ = [
+    "CONFIG_ERROR_FILE_ENV",
+    "config_error_file",
+    "read_config_error",
+    "remove_stale_directories",
+    "report_config_error",
+]
 
 log = get_logger(__name__)
 
@@ -33,6 +50,39 @@ log = get_logger(__name__)
 CONFIG_ERROR_FILE_ENV = "ELASTIC_TRAIN_CONFIG_ERROR_FILE"
 #: at most this much of a message is kept
 _MAX_CHARS = 4000
+#: ``<prefix><agent pid>-<random>``
+_PREFIX = "elastic_train-agent-"
+
+
+def config_error_file(parent: Path | None = None) -> Path:
+    """The path a worker of this agent reports its configuration error at, in a new
+    0700 directory of this process's (removed at exit) under ``parent`` (default:
+    the temp directory); first removes what SIGKILLed agents left there."""
+    parent = Path(parent or tempfile.gettempdir())
+    remove_stale_directories(parent)
+    directory = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory / "config_error"
+
+
+def remove_stale_directories(parent: Path) -> None:
+    """Remove the empty directories under ``parent`` of agents whose process is gone."""
+    for directory in parent.glob(f"{_PREFIX}*-*"):
+        pid = directory.name[len(_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):  # not empty, not ours, or removed meanwhile
+            directory.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def report_config_error(message: str, environ: Mapping[str, str] = os.environ) -> None:
