@@ -4,7 +4,7 @@ later, for ``ours`` and ``c10d-tuned`` (torchrun c10d, tuned, driving the plain
 DDP script) in the same run.
 
     python -m benchmarks.goodput --minutes 10 --every 30          # results/goodput.json
-    python -m benchmarks.goodput --recovery restart               # ours' elastic.recovery (default: auto)
+    python -m benchmarks.goodput --recovery restart               # ours' recovery (default: auto)
     python -m benchmarks.goodput_score benchmarks/results/goodput.json   # rescore, no run
     python -m benchmarks.goodput_long --faults 1000               # the exactly-once soak
 

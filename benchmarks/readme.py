@@ -86,6 +86,24 @@ def _throughput_row(result: dict[str, Any]) -> str:
             f"| **{cell[0]}** ({ratio}) | {cell[1]} | not run |")  # fmt: skip
 
 
+def _goodput_row(result: dict[str, Any]) -> str:
+    """The soak's goodput: the headline (every interval at the faster world's rate)
+    and, in brackets, each interval at its own world size's rate."""
+    settings = result["settings"]
+
+    def cell(name: str) -> str:
+        entry = _entry(result, name)
+        value = (entry.get("goodput") or {}).get("median")
+        weighted = (entry.get("goodput_world_weighted") or {}).get("median")
+        if value is None:
+            return "no result"
+        return f"{value:.3f}" + (f" ({weighted:.3f} world-weighted)" if weighted else "")
+
+    return (f"| Goodput: a kill or a rejoin every {settings['every_seconds']:g} s "
+            f"for {settings['minutes']:g} min, 3 nodes "
+            f"| **{cell('ours')}** | {cell(TUNED)} | not run |")  # fmt: skip
+
+
 def _scale_row(result: dict[str, Any]) -> str:
     ks = list(result["by_agents"])
 
@@ -123,6 +141,8 @@ def headline(results: dict[str, dict[str, Any]]) -> str:
     ]
     if "throughput" in results:
         rows.append(_throughput_row(results["throughput"]))
+    if "goodput" in results:
+        rows.append(_goodput_row(results["goodput"]))
     if "rendezvous_scale" in results:
         rows.append(_scale_row(results["rendezvous_scale"]))
     lines = [*rows, "", _source_line(results), ""]

@@ -31,6 +31,8 @@ from benchmarks.workloads import Workload
 METRICS = EVENT_METRICS
 TARGET_MEDIAN_SECONDS = 4.0
 STRETCH_MEDIAN_SECONDS = 3.0
+#: Issue #20: failure to the next step without restarting the survivors.
+INPROCESS_MEDIAN_SECONDS = 0.5
 
 
 def measure(
@@ -56,14 +58,21 @@ def measure(
     )
 
 
-def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
+def targets(summary: dict[str, dict[str, Any]], *, recovery_mode: str) -> list[harness.Target]:
+    """The targets; ``recovery_mode``: ours' ``--recovery`` (the restart path has
+    no in-process target)."""
     recovery = harness.median_of(summary, "ours", "seconds")
     lost = summary.get("ours", {}).get("lost_steps", {}).get("max")
     tuned = [
         harness.median_of(summary, name, "seconds") for name in ("c10d-tuned", "etcd-v2-tuned")
     ]
     best_tuned = min((t for t in tuned if t is not None), default=None)
+    in_process = []
+    if recovery_mode != "restart":
+        in_process = [harness.Target("ours median recovery, in process (#20), s", recovery,
+                                     INPROCESS_MEDIAN_SECONDS)]  # fmt: skip
     return [
+        *in_process,
         harness.Target("ours median recovery, s", recovery, TARGET_MEDIAN_SECONDS),
         harness.Target("ours median recovery (stretch), s", recovery, STRETCH_MEDIAN_SECONDS),
         harness.Target(
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         measure=lambda c, d: measure(c, d, **kwargs),
         metrics=METRICS,
         headline="seconds",
-        targets=targets,
+        targets=lambda summary: targets(summary, recovery_mode=args.recovery),
         settings=kwargs,
     )
 

@@ -168,17 +168,19 @@ def targets_table(results: dict[str, dict[str, Any]]) -> list[str]:
 def goodput_table(result: dict[str, Any]) -> list[str]:
     settings = result["settings"]
     rows = [
-        "| competitor | goodput (quiet segments) | vs separate fault-free runs "
+        "| competitor | goodput (quiet segments) | world-weighted | vs separate fault-free runs "
         "| vs the 3-node run | useful steps/s | fault-free steps/s: quiet / separate "
         "| kills of a training node | to first step after one, s | after a rejoin, s "
         "| most lost steps per kill | runs | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in result["summary"].items():
         if "-fault-free" in name:
             continue
         rows.append(
-            f"| {name} | {spread(e['goodput'], 3)} | {spread(e['goodput_separate_run'], 3)} "
+            f"| {name} | {spread(e['goodput'], 3)} "
+            f"| {spread(e.get('goodput_world_weighted'), 3)} "
+            f"| {spread(e['goodput_separate_run'], 3)} "
             f"| {spread(e['goodput_full_world'], 3)} "
             f"| {spread(e['useful_steps_per_second'], 0)} "
             f"| {fmt(e['fault_free_steps_per_second']['median'], 0)} / "

@@ -66,6 +66,13 @@ def test_the_table_holds_the_measured_numbers_in_the_right_columns() -> None:
     ours = [scale[k]["summary"]["ours"]["round_seconds"]["median"] for k in scale]
     shown = " / ".join("—" if v is None else f"{v:.2f}" for v in ours)  # —: no round
     assert cells[1] == f"**{shown} s**"
+    goodput = json.loads((RESULTS / "goodput.json").read_text())["summary"]
+    cells = _row(block, "Goodput")
+    for cell, who in zip(cells[1:3], ("ours", "c10d-tuned"), strict=True):
+        entry = goodput[who]
+        assert cell.strip("*").startswith(f"{entry['goodput']['median']:.3f}"), who
+        weighted = entry["goodput_world_weighted"]["median"]
+        assert f"({weighted:.3f} world-weighted)" in cell, who
     throughput = json.loads((RESULTS / "throughput.json").read_text())
     (target,) = [t for t in throughput["targets"] if t["name"] == readme.THROUGHPUT_TARGET]
     assert f"{target['value']:.3f}x plain DDP" in _row(block, "Throughput")[1]
