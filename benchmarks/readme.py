@@ -132,6 +132,15 @@ def _source_line(results: dict[str, dict[str, Any]]) -> str:
             "[benchmarks/README.md](benchmarks/README.md).")  # fmt: skip
 
 
+def _mode_note(results: dict[str, dict[str, Any]]) -> str:
+    """Which recovery ours ran: the survivors keeping their processes or restarting."""
+    mode = results.get("recovery", {}).get("settings", {}).get("recovery", "restart")
+    if mode == "restart":
+        return ' Ours ran the restart path (`elastic.recovery = "restart"`).'
+    return (" Ours ran at its default, `elastic.recovery = \"auto\"`: in process, the "
+            "survivors keep their processes (docs/recovery-inprocess.md).")  # fmt: skip
+
+
 def headline(results: dict[str, dict[str, Any]]) -> str:
     """The README's headline block: the table, where the numbers come from, the plot."""
     rows = [
@@ -145,7 +154,7 @@ def headline(results: dict[str, dict[str, Any]]) -> str:
         rows.append(_goodput_row(results["goodput"]))
     if "rendezvous_scale" in results:
         rows.append(_scale_row(results["rendezvous_scale"]))
-    lines = [*rows, "", _source_line(results), ""]
+    lines = [*rows, "", _source_line(results) + _mode_note(results), ""]
     if PLOT in results:
         lines.append(f"![{TABLES[PLOT][0]}](benchmarks/results/{PLOT}.png)")
     return "\n".join(lines)

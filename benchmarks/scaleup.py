@@ -5,12 +5,13 @@ hang a joiner here, which the tuned torch competitors avoid with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
 
     python -m benchmarks.scaleup --repeats 5
-    python -m benchmarks.scaleup --repeats 5 --recovery inprocess   # scaleup_inprocess.json
+    python -m benchmarks.scaleup --repeats 5 --recovery restart   # scaleup_restart.json
 
-``--recovery inprocess`` runs ours with ``elastic.recovery = "inprocess"``: the
-fourth node's agent gets a side round and its worker is admitted at a step
-boundary (an async join, ``training/admission.py``); the survivors keep their
-processes.
+``--recovery`` sets ours' ``elastic.recovery``; by default ``auto``, the
+product's default: in process, the fourth node's agent gets a side round and
+its worker is admitted at a step boundary (an async join,
+``training/admission.py``) while the survivors keep their processes.
+``restart`` or ``inprocess`` name the file after the mode.
 """
 
 from __future__ import annotations
@@ -33,11 +34,10 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
-    parser.add_argument("--recovery", choices=("restart", "inprocess"), default="restart",
-                        help="ours' elastic.recovery")  # fmt: skip
+    harness.add_recovery_argument(parser)
     args = parser.parse_args(argv)
     kwargs = SMOKE if args.smoke else FULL
-    name = "scaleup" if args.recovery == "restart" else "scaleup_inprocess"
+    name = "scaleup" if args.recovery == "auto" else f"scaleup_{args.recovery}"
     workload = Workload(ours_overrides=(f"--elastic.recovery={args.recovery}",))
     harness.run_benchmark(
         f"{name}_smoke" if args.smoke else name,
