@@ -194,6 +194,8 @@ def _bars(
     # Every slot a full bar wide, a bar drawn or not, so no label runs off the axes.
     ax.set_xlim(-0.6, len(names) - 0.4)
     if integer:
+        # All zeros (no competitor result) would leave 0 and 1 as the only ticks.
+        ax.set_ylim(top=max(ax.get_ylim()[1], 2.5))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for label in ax.get_xticklabels():
         if role(benchmark, label.get_text()) == "ours":
