@@ -34,6 +34,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+import psutil
+
 from elastic_train.log import get_logger
 
 __all__ = [
@@ -69,20 +71,10 @@ def remove_stale_directories(parent: Path) -> None:
     """Remove the empty directories under ``parent`` of agents whose process is gone."""
     for directory in parent.glob(f"{_PREFIX}*-*"):
         pid = directory.name[len(_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or psutil.pid_exists(int(pid)):
             continue
         with contextlib.suppress(OSError):  # not empty, not ours, or removed meanwhile
             directory.rmdir()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def report_config_error(message: str, environ: Mapping[str, str] = os.environ) -> None:
