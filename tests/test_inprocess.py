@@ -146,6 +146,16 @@ def _answer(proc: subprocess.Popen[str]) -> dict:
     raise AssertionError(f"member {proc.args[3]} ended without an answer")
 
 
+def _wait_until_stopped(pid: int, timeout: float = 10.0) -> None:
+    """``kill(SIGSTOP)`` returns before the process stops; each thread (the liveness
+    responder among them) stops as it takes the signal. Wait until all have."""
+    deadline = time.monotonic() + timeout
+    threads = [psutil.Process(t.id) for t in psutil.Process(pid).threads()]
+    while any(t.status() != psutil.STATUS_STOPPED for t in threads):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
+
+
 def test_survivors_agree_without_the_killed_and_the_stopped_member(
     etcd_endpoint: str, rdzv_secret_file: Path
 ) -> None:
@@ -156,6 +166,7 @@ def test_survivors_agree_without_the_killed_and_the_stopped_member(
         procs[1].kill()
         procs[1].wait(timeout=10)
         os.kill(procs[3].pid, signal.SIGSTOP)
+        _wait_until_stopped(procs[3].pid)
         for survivor in (procs[0], procs[2]):  # both ask before either answers
             assert survivor.stdin is not None
             survivor.stdin.write("agree\n")
