@@ -15,12 +15,16 @@ node of one worker; what they check is what only a GPU exercises:
   (``_abort_process_group``), re-forms the group on the same GPU and redoes
   the failed step: same end as a run without the failure;
 - every one of those worker starts is forked by the node's zygote (warm start),
-  which imported torch without initializing CUDA.
+  which imported torch without initializing CUDA;
+- ``elastic-train local`` with more workers than GPUs trains on the CPU (its
+  default of three nodes on one GPU failed with NCCL's "Duplicate GPU detected"
+  until the timeout), and refuses an explicit NCCL at once.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +32,11 @@ import pytest
 import torch
 from chaos_runs import PACED, PACED_MLP, UNPACED, assert_ends_like_reference, run_chaos
 
+from elastic_train.cli import EXIT_USAGE
+from elastic_train.config.job import ElasticConfig
+from elastic_train.errors import ConfigError
 from elastic_train.local.cluster import MAIN_SCRIPT
+from elastic_train.training.distributed import WorkerEnv, worker_device
 
 pytestmark = [
     pytest.mark.slow,
@@ -157,3 +165,36 @@ def test_compiled_on_one_gpu_through_a_kill_ends_like_an_uncompiled_run(tmp_path
     reference = [sys.executable, str(MAIN_SCRIPT), *ARGS, UNPACED]
     # Inductor's fused kernels change the summation order only.
     assert_ends_like_reference(summary, run_dir, reference, tmp_path=tmp_path, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 3, reason="three GPUs give each node its own")
+def test_three_local_nodes_on_fewer_gpus_train_on_the_cpu_exactly_once(tmp_path: Path) -> None:
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so the runner
+    hands every worker gloo instead of letting them fail until the timeout."""
+    run_dir = tmp_path / "run"
+    summary = run_chaos(run_dir, ["--nodes", "3", "--chaos", "kill:1@step10,join:1@step14"],
+                        *ARGS, PACED)  # fmt: skip
+    groups = _worker_events(run_dir, "process_group_ready")
+    assert groups and {(g["backend"], g["device"]) for g in groups} == {("gloo", "cpu")}, groups
+    assert summary["completed"], summary
+    assert summary["final_step"] == STEPS
+    assert summary["exactly_once"], summary["exactly_once_detail"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs hold two NCCL ranks")
+def test_nccl_asked_for_with_fewer_gpus_than_local_workers_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2", "--quiet",
+               "--run-dir", str(run_dir), *ARGS, "--elastic.backend=nccl"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
+    assert "2 workers may run at once, and 1 GPU(s) are visible" in proc.stderr, proc.stderr
+    assert not (run_dir / "audit").exists()
+
+
+def test_a_local_rank_without_its_gpu_is_refused_naming_both() -> None:
+    count = torch.cuda.device_count()
+    with pytest.raises(ConfigError, match=rf"LOCAL_RANK {count} needs GPU {count} .* {count} GPU"):
+        worker_device(WorkerEnv(local_rank=count), ElasticConfig(backend="nccl"))

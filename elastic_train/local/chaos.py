@@ -202,8 +202,13 @@ def validate_schedule(events: Iterable[ChaosEvent], *, nodes: int) -> None:
 
 def node_count(events: Iterable[ChaosEvent], *, nodes: int) -> int:
     """How many distinct nodes the run can have: the initial ones plus new joiners."""
+    return len(node_indexes(events, nodes=nodes))
+
+
+def node_indexes(events: Iterable[ChaosEvent], *, nodes: int) -> list[int]:
+    """The index of every node the run can have, in order: the initial ones, then joiners."""
     joined = {event.node for event in events if event.kind == "join" and event.node is not None}
-    return len(set(range(nodes)) | joined)
+    return sorted(set(range(nodes)) | joined)
 
 
 @dataclass(frozen=True)

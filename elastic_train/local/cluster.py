@@ -10,6 +10,7 @@ port for ``c10d``, unless an endpoint is given.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -29,7 +30,8 @@ from elastic_train.config.args import parse_cli
 from elastic_train.errors import ClusterError, ConfigError
 from elastic_train.etcd.server import EtcdServer, free_port
 from elastic_train.local import proctree
-from elastic_train.local.chaos import ChaosEvent, node_count, validate_schedule
+from elastic_train.local.chaos import ChaosEvent, node_count, node_indexes, validate_schedule
+from elastic_train.local.gpus import GpuPlan, local_gpus, plan_gpus
 from elastic_train.local.rdzv_secret import (
     planned_secret_file,
     with_secret_file,
@@ -186,6 +188,8 @@ class LocalCluster:
 
     def start(self) -> None:
         self._check_trainer_args()
+        log.info("local_gpus", plan=self.gpus.reason, devices=dict(self.gpus.devices),
+                 worker_args=list(self.gpus.worker_args))  # fmt: skip
         self._check_metrics_ports()
         if self.audit_dir.is_dir() and any(self.audit_dir.iterdir()):
             # Old records and an old result.json would be audited as this run's.
@@ -230,7 +234,11 @@ class LocalCluster:
         return self.etcd.endpoint
 
     def worker_args(self) -> list[str]:
-        """The worker script's arguments: ``script_args`` filled in, plus our trainer's dirs."""
+        """The worker script's arguments: ``script_args`` filled in, plus our trainer's
+        dirs and, where the GPUs are too few, its backend (:mod:`.gpus`)."""
+        return [*self._own_args(), *self.gpus.worker_args]
+
+    def _own_args(self) -> list[str]:
         args = [self._fill(arg) for arg in self.spec.script_args]
         if self.spec.trainer_args:
             args += [
@@ -238,6 +246,18 @@ class LocalCluster:
                 f"--checkpoint.dir={self.checkpoint_dir}",
             ]
         return args
+
+    @functools.cached_property
+    def gpus(self) -> GpuPlan:
+        """Each node's GPUs, or the CPU for all (:mod:`.gpus`); decided once per run."""
+        backend = None
+        if Path(self.spec.script).resolve() == MAIN_SCRIPT.resolve():
+            backend = parse_cli(self._own_args()).config.elastic.backend
+        environ = {**os.environ, **dict(self.spec.env)}
+        return plan_gpus(
+            local_gpus(environ), nodes=node_indexes(self.spec.chaos, nodes=self.spec.nodes),
+            nproc_per_node=self.spec.nproc_per_node, backend=backend,
+        )  # fmt: skip
 
     def command(self) -> list[str]:
         spec = self.spec
@@ -271,6 +291,7 @@ class LocalCluster:
             raise ClusterError(f"node{index} is already running")
         env = {**os.environ, **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
         env |= {"ELASTIC_TRAIN_NODE": f"node{index}", RUN_MARKER_ENV: self.run_id}
+        env |= self.gpus.env_for(index)
         env_port = self.metrics_port(index)
         env["ELASTIC_TRAIN_METRICS_PORT"] = str(env_port or "off")
         env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")

@@ -209,6 +209,7 @@ def effective_config_toml(spec: ClusterSpec, *, run_dir: str | Path | None) -> s
         f"# nodes {spec.nodes} x {spec.nproc_per_node} process(es), --nnodes {spec.nnodes}, "
         f"rdzv backend {spec.rdzv_backend}, chaos {chaos}",
         f"# run dir {where}",
+        f"# GPUs: {cluster.gpus.reason}",
         "",
     ]
     return "\n".join(header) + to_toml(config)

@@ -130,6 +130,13 @@ def worker_device(env: WorkerEnv, cfg: ElasticConfig) -> torch.device:
     """This worker's device: GPU ``LOCAL_RANK`` (made current) under NCCL, else the CPU."""
     if choose_backend(cfg.backend, cuda_available=torch.cuda.is_available()) != "nccl":
         return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if env.local_rank >= visible:  # else CUDA's "invalid device ordinal", deep in the first op
+        raise ConfigError(
+            f"LOCAL_RANK {env.local_rank} needs GPU {env.local_rank} under NCCL, and "
+            f"{visible} GPU(s) are visible; start at most {visible} workers per node "
+            "(--nproc-per-node) or set elastic.backend = 'gloo'"
+        )
     device = torch.device("cuda", env.local_rank)
     torch.cuda.set_device(device)
     return device
