@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 RESULT_FILE = "result.json"
@@ -358,15 +359,7 @@ def _writer_alive(name: str) -> bool:
     """Whether the PID in ``worker-<node>-<pid>.jsonl`` is a process here (a reused PID
     only costs reads; an unreadable name counts as alive)."""
     pid = name.removesuffix(".jsonl").rsplit("-", 1)[-1]
-    if not pid.isdigit():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        pass
-    return True
+    return not pid.isdigit() or psutil.pid_exists(int(pid))
 
 
 def read_result(directory: str | Path) -> dict[str, Any] | None:

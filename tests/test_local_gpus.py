@@ -100,3 +100,14 @@ def test_without_a_gpu_the_workers_get_what_they_asked_for(tmp_path: Path) -> No
         pytest.skip("this machine has a GPU (tests/test_cuda.py runs the GPU cases)")
     assert cluster.gpus == GpuPlan()
     assert not any(arg.startswith("--elastic.backend") for arg in cluster.worker_args())
+
+
+def test_a_script_of_api_fits_is_planned_like_main_and_one_with_flags_of_its_own_is_not(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _fake_gpus(monkeypatch, ["0"])
+    script = str(tmp_path / "train.py")
+    fit = LocalCluster(ClusterSpec(nodes=2, script=script), run_dir=tmp_path)
+    assert fit.worker_args()[-1] == "--elastic.backend=gloo"
+    own = ClusterSpec(nodes=2, script=script, script_args=("--epochs", "3"))
+    assert "--elastic.backend=gloo" not in LocalCluster(own, run_dir=tmp_path).worker_args()

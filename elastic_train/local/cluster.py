@@ -188,8 +188,10 @@ class LocalCluster:
 
     def start(self) -> None:
         self._check_trainer_args()
-        log.info("local_gpus", plan=self.gpus.reason, devices=dict(self.gpus.devices),
-                 worker_args=list(self.gpus.worker_args))  # fmt: skip
+        # A GPU left unused on purpose is worth a warning: the user may have expected it.
+        say = log.warning if self.gpus.worker_args else log.info
+        say("local_gpus", plan=self.gpus.reason, devices=dict(self.gpus.devices),
+            worker_args=list(self.gpus.worker_args))  # fmt: skip
         self._check_metrics_ports()
         if self.audit_dir.is_dir() and any(self.audit_dir.iterdir()):
             # Old records and an old result.json would be audited as this run's.
@@ -253,6 +255,9 @@ class LocalCluster:
         backend = None
         if Path(self.spec.script).resolve() == MAIN_SCRIPT.resolve():
             backend = parse_cli(self._own_args()).config.elastic.backend
+        elif self.spec.trainer_args:  # a script of api.fit's takes main.py's arguments
+            with contextlib.suppress(ConfigError):  # ...or flags of its own: left alone
+                backend = parse_cli(self._own_args()).config.elastic.backend
         environ = {**os.environ, **dict(self.spec.env)}
         return plan_gpus(
             local_gpus(environ), nodes=node_indexes(self.spec.chaos, nodes=self.spec.nodes),

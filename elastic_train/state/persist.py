@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from elastic_train.errors import CheckpointWriteError
 from elastic_train.log import get_logger
 from elastic_train.state.checkpoint import CheckpointManager
@@ -260,12 +262,4 @@ class AgentCheckpointManager(CheckpointManager):
 
 
 def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid is not None and psutil.pid_exists(pid)
