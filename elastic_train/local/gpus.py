@@ -83,6 +83,10 @@ def plan_gpus(
 
 
 def local_gpus(environ: Mapping[str, str]) -> list[str]:
-    """The GPUs a local run may hand out: none where this torch has no CUDA."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return visible_gpus(environ, count)
+    """The GPUs a local run may hand out: none where this torch has no CUDA.
+
+    ``device_count`` asks NVML, without initializing CUDA in this process
+    (``is_available`` would); a GPU that CUDA then cannot use only gets a
+    slice the workers ignore, since they fall back to gloo on the CPU.
+    """
+    return visible_gpus(environ, torch.cuda.device_count())
