@@ -30,7 +30,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from chaos_runs import PACED, PACED_MLP, UNPACED, assert_ends_like_reference, run_chaos
+from chaos_runs import (
+    PACED,
+    PACED_MLP,
+    UNPACED,
+    assert_ends_like_reference,
+    assert_ran_exactly_once,
+    run_chaos,
+)
 
 from elastic_train.cli import EXIT_USAGE
 from elastic_train.config.job import ElasticConfig
@@ -176,9 +183,7 @@ def test_three_local_nodes_on_fewer_gpus_train_on_the_cpu_exactly_once(tmp_path:
                         *ARGS, PACED)  # fmt: skip
     groups = _worker_events(run_dir, "process_group_ready")
     assert groups and {(g["backend"], g["device"]) for g in groups} == {("gloo", "cpu")}, groups
-    assert summary["completed"], summary
-    assert summary["final_step"] == STEPS
-    assert summary["exactly_once"], summary["exactly_once_detail"]
+    assert_ran_exactly_once(summary, steps=STEPS)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs hold two NCCL ranks")
