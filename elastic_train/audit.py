@@ -16,10 +16,12 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 RESULT_FILE = "result.json"
 FINAL_PARAMS_FILE = "final_params.pt"
@@ -64,6 +66,8 @@ def write_result(
     directory: str | Path, *, result: Mapping[str, Any], params: Mapping[str, torch.Tensor]
 ) -> None:
     """Rank 0 at the end: ``result.json`` and ``final_params.pt``, each replaced atomically."""
+    import torch  # here: the runner reads audits, and a torch import costs it 2 s
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{FINAL_PARAMS_FILE}.tmp"

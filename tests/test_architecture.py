@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "workload": BASE | {"config"},
     "state": BASE | {"config"},
     "training": BASE | {"audit", "config", "workload", "state", "etcd"},
-    "local": BASE | {"audit", "config", "etcd", "agent", "training"},
+    "local": BASE | {"audit", "config", "etcd", "agent", "training", "state"},
     "main": BASE | {"config", "agent", "training"},
     "api": BASE | {"config", "main", "training", "workload"},
     "launch": BASE | {"etcd", "main"},

@@ -7,16 +7,21 @@ with three nodes trains on the CPU; NCCL asked for there is refused).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 
 from elastic_train.errors import ConfigError
 from elastic_train.local import cluster as cluster_module
+from elastic_train.local import gpus as gpus_module
 from elastic_train.local.chaos import parse_schedule
 from elastic_train.local.cluster import ClusterSpec, LocalCluster
-from elastic_train.local.gpus import GpuPlan, plan_gpus, visible_gpus
+from elastic_train.local.gpus import GPU_DRIVER_PATHS, GpuPlan, local_gpus, plan_gpus, visible_gpus
 from elastic_train.local.runner import effective_config_toml
 
 
@@ -111,3 +116,39 @@ def test_a_script_of_api_fits_is_planned_like_main_and_one_with_flags_of_its_own
     assert fit.worker_args()[-1] == "--elastic.backend=gloo"
     own = ClusterSpec(nodes=2, script=script, script_args=("--epochs", "3"))
     assert "--elastic.backend=gloo" not in LocalCluster(own, run_dir=tmp_path).worker_args()
+
+
+def test_without_a_gpu_driver_torch_is_not_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def count() -> int:
+        raise AssertionError("torch.cuda was asked on a machine without a GPU driver")
+
+    monkeypatch.setattr(torch.cuda, "device_count", count)
+    monkeypatch.setattr(gpus_module, "GPU_DRIVER_PATHS", (str(tmp_path / "nvidia"),))
+    assert local_gpus({}) == []
+    (tmp_path / "nvidia").mkdir()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == ["GPU-a", "GPU-b"]
+
+
+@pytest.mark.slow
+def test_the_runner_of_a_run_without_gpus_never_imports_torch(tmp_path: Path) -> None:
+    """Only the agents and workers pay torch's import: 2-3 s of the runner's start
+    before any node started, on a 2-core box."""
+    if any(Path(path).exists() for path in GPU_DRIVER_PATHS):
+        pytest.skip("a GPU driver is here: the runner asks torch how many GPUs it sees")
+    summary = tmp_path / "summary.json"
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "elastic_train.cli", "local", "--nodes", "1",
+         "--quiet", "--metrics-port", "0", "--run-dir", str(tmp_path / "run"),
+         "--json", str(summary), "--training.steps=3", "--model.name=mlp",
+         "--data.name=synthetic"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(summary.read_text())["exactly_once"]
+    # The nodes log to the run dir: this stderr is the runner's alone.
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    assert "elastic_train.local.runner" in imported  # -X importtime did report
+    assert not {m for m in imported if m.split(".")[0] == "torch"}

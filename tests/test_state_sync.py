@@ -11,12 +11,12 @@ import torch
 from elastic_train.config.job import ElasticConfig
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
+from elastic_train.state.shm_names import remove_run_snapshots
 from elastic_train.training.distributed import WorkerEnv
 from elastic_train.training.state_sync import (
     NodeSnapshots,
     SnapshotCadence,
     open_snapshots,
-    remove_run_snapshots,
     restore_state,
     snapshot_run_id,
 )

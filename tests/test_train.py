@@ -20,7 +20,6 @@ from elastic_train.training.optim import (
     build_scheduler,
     global_batch_size,
     lr_multiplier,
-    total_steps,
 )
 from elastic_train.training.step import micro_batches
 
@@ -60,7 +59,8 @@ def test_per_worker_mode_scales_batch_and_learning_rate() -> None:
 
 def test_epochs_mode_counts_steps_with_a_short_last_batch() -> None:
     cfg = TrainingConfig(steps=0, epochs=2)
-    assert total_steps(cfg, dataset_len=98, batch_size=16) == 14
+    assert cfg.total_steps(dataset_len=98, batch_size=16) == 14
+    assert cfg.total_steps(dataset_len=96, batch_size=16) == 12
 
 
 def test_micro_batches_cover_the_shard_in_order() -> None:

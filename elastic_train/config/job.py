@@ -149,6 +149,9 @@ class TrainingConfig:
         if self.parallel == "fsdp2":
             _check_fsdp2(self)
 
+    def total_steps(self, *, dataset_len: int, batch_size: int) -> int:
+        return self.steps or self.epochs * -(-dataset_len // batch_size)  # a short last batch too
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:

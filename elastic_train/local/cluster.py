@@ -38,7 +38,7 @@ from elastic_train.local.rdzv_secret import (
     write_secret_file,
 )
 from elastic_train.log import get_logger
-from elastic_train.training.state_sync import remove_run_snapshots
+from elastic_train.state.shm_names import remove_run_snapshots
 
 log = get_logger(__name__)
 

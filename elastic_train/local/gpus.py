@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from pathlib import Path
 
 from elastic_train.errors import ConfigError
+
+#: Where a GPU driver shows itself: NVIDIA's (also inside containers), AMD's ROCm
+#: and WSL 2's. None of them there: ``torch.cuda.device_count()`` is 0.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
 @dataclass(frozen=True)
@@ -88,5 +91,11 @@ def local_gpus(environ: Mapping[str, str]) -> list[str]:
     ``device_count`` asks NVML, without initializing CUDA in this process
     (``is_available`` would); a GPU that CUDA then cannot use only gets a
     slice the workers ignore, since they fall back to gloo on the CPU.
+    Without a GPU driver on the machine there is nothing to ask, and torch's
+    import (2 s on a small box) is spared the runner.
     """
+    if not any(Path(path).exists() for path in GPU_DRIVER_PATHS):
+        return []
+    import torch
+
     return visible_gpus(environ, torch.cuda.device_count())

@@ -26,7 +26,6 @@ from elastic_train.config.job import TrainingConfig
 from elastic_train.errors import ConfigError
 from elastic_train.local.chaos import ChaosEvent, Recovery, recovery_after
 from elastic_train.local.cluster import LocalCluster
-from elastic_train.training.optim import total_steps
 
 #: seconds of records that throughput is averaged over
 THROUGHPUT_WINDOW_S = 10.0
@@ -56,14 +55,14 @@ def windowed_rate(
 
 
 def planned_steps(training: TrainingConfig | None, *, dataset_len: int | None) -> int | None:
-    """The step the trainer stops at, as ``training/optim.py`` computes it; None: unknown."""
+    """The step the trainer stops at (``TrainingConfig.total_steps``); None: unknown."""
     if training is None:
         return None
     if training.steps > 0:
         return training.steps
     if dataset_len is None:
         return None  # an epoch count needs the dataset's length, known from a resume record
-    return total_steps(training, dataset_len=dataset_len, batch_size=training.global_batch_size)
+    return training.total_steps(dataset_len=dataset_len, batch_size=training.global_batch_size)
 
 
 def eta_seconds(*, step: int, total: int | None, steps_per_second: float) -> float | None:

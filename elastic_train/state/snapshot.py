@@ -44,6 +44,7 @@ import torch
 
 from elastic_train.errors import SnapshotError, SnapshotRefusedError
 from elastic_train.log import get_logger
+from elastic_train.state.shm_names import SHM_ROOT, snapshot_directory
 from elastic_train.state.snapshot_layout import (
     HEADER_BYTES,
     SlotEncoder,
@@ -85,7 +86,7 @@ class SnapshotStore:
         run_id: str,
         *,
         fingerprint: str,
-        root: str | Path = "/dev/shm",
+        root: str | Path = SHM_ROOT,
         max_bytes: int | None = None,
         is_writer: bool = True,
     ) -> None:
@@ -94,7 +95,7 @@ class SnapshotStore:
                 f"run_id must be 1-128 characters of [A-Za-z0-9_.-], got {run_id!r}"
             )
         self.run_id = run_id
-        self.directory = Path(root) / f"elastic_train-{os.getuid()}-{run_id}"
+        self.directory = snapshot_directory(root, run_id)
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self.is_writer = is_writer

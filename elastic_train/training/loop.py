@@ -58,7 +58,6 @@ from elastic_train.training.losses import TrainingLoss
 from elastic_train.training.optim import (
     global_batch_size,
     restore_learning_rates,
-    total_steps,
 )
 from elastic_train.training.parts import Prepared, TrainingParts, prepare
 from elastic_train.training.precision import Precision
@@ -151,7 +150,7 @@ def build(
     p = prepared or prepare(cfg, ctx.device, parts)
     parts, data, loss, batches, precision = p.parts, p.data, p.loss, p.batches, p.precision
     batch = global_batch_size(cfg.training, ctx.world_size)
-    steps = total_steps(cfg.training, dataset_len=len(data), batch_size=batch)
+    steps = cfg.training.total_steps(dataset_len=len(data), batch_size=batch)
     model = shard_model(p.model, cfg.training, ctx)  # fsdp2; before the optimizer sees parameters
     optimizer = parts.optimizer(model)
     scheduler = parts.scheduler(optimizer, total=steps, world_size=ctx.world_size)

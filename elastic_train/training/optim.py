@@ -65,10 +65,6 @@ def global_batch_size(cfg: TrainingConfig, world_size: int) -> int:
     return cfg.global_batch_size
 
 
-def total_steps(cfg: TrainingConfig, *, dataset_len: int, batch_size: int) -> int:
-    return cfg.steps if cfg.steps > 0 else cfg.epochs * math.ceil(dataset_len / batch_size)
-
-
 def lr_multiplier(cfg: ScheduleConfig, step: int, *, total: int) -> float:
     """Schedule factor for the LR of optimizer step ``step + 1`` (linear warmup first)."""
     if step < cfg.warmup_steps:

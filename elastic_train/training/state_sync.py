@@ -17,9 +17,6 @@ complete).
 from __future__ import annotations
 
 import math
-import os
-import re
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +31,7 @@ from elastic_train.errors import SnapshotError
 from elastic_train.log import get_logger
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.state.restore import Restored, restore_newest
+from elastic_train.state.shm_names import SHM_ROOT, node_run_id
 from elastic_train.state.snapshot import SnapshotStore
 from elastic_train.training.distributed import WorkerEnv
 
@@ -45,7 +43,6 @@ _SMOOTHING = 0.2
 AFTERMATH = 2
 #: K until a snapshot's cost is measured: leaves a step away from snapshots.
 _FIRST_INTERVAL = 4
-_RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 @dataclass
@@ -127,7 +124,7 @@ def _smooth(previous: float | None, value: float) -> float:
 
 def snapshot_run_id(env: WorkerEnv) -> str:
     """Unique per run and node: nodes of one machine share ``/dev/shm``."""
-    return _RUN_ID_UNSAFE.sub("_", f"{env.run_id}.{env.node}")[:128]
+    return node_run_id(env.run_id, env.node)
 
 
 class NodeSnapshots:
@@ -230,7 +227,7 @@ class NodeSnapshots:
 
 
 def open_snapshots(
-    cfg: ElasticConfig, env: WorkerEnv, *, fingerprint: str, root: str | Path = "/dev/shm"
+    cfg: ElasticConfig, env: WorkerEnv, *, fingerprint: str, root: str | Path = SHM_ROOT
 ) -> NodeSnapshots | None:
     """This node's snapshots, or None: turned off, no run id, or the store cannot open.
 
@@ -255,19 +252,6 @@ def open_snapshots(
         return None
     cadence = SnapshotCadence(cfg.snapshot_every_steps, cfg.snapshot_max_overhead)
     return NodeSnapshots(store, cadence, on_failure=cfg.snapshot_on_failure)
-
-
-def remove_run_snapshots(run_id: str, *, root: str | Path = "/dev/shm") -> list[Path]:
-    """Remove every node's snapshot of one run on this machine; returns what was removed.
-
-    For a runner that hosts all nodes (``elastic-train local``): a SIGKILLed
-    node cannot remove its own, and a later run never reuses the run id.
-    """
-    prefix = f"elastic_train-{os.getuid()}-{snapshot_run_id(WorkerEnv(run_id=run_id, node=''))}"
-    removed = [path for path in Path(root).glob("elastic_train-*") if path.name.startswith(prefix)]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
 
 
 def restore_state(
