@@ -45,7 +45,7 @@ log = get_logger(__name__)
 #: Workers whose entries the status keeps (one per restart of the writer rank).
 _KEEP_PIDS = 8
 _MAX_REQUEST = 1 << 16
-#: How often the idle thread looks at the stop flag.
+#: How often the idle thread looks at the stop flag; close() wakes it at once.
 _POLL_S = 0.5
 #: The longest Unix socket path Linux binds (sun_path is 108 bytes with its NUL).
 _SOCKET_PATH_MAX = 107
@@ -118,6 +118,8 @@ class Persister:
         self._status.write(self.status_path)
         self._managers: dict[tuple, CheckpointManager] = {}
         self._stop = threading.Event()
+        # close() writes here: select() returns at once instead of after _POLL_S.
+        self._wake_read, self._wake_write = os.pipe()
         self._thread = threading.Thread(target=self._run, name="checkpoint-persister", daemon=True)
         #: Requests written, failed, and superseded by a newer one before their turn.
         self.saved = self.failed = self.superseded = 0
@@ -135,9 +137,14 @@ class Persister:
 
     def close(self, *, timeout: float = 30.0) -> None:
         """Stop after the request in hand (waiting up to ``timeout``), remove the directory."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        os.write(self._wake_write, b"x")
         self._thread.join(timeout)
         self._socket.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _run(self) -> None:
@@ -151,7 +158,8 @@ class Persister:
         """Every request waiting now; waits up to ``_POLL_S`` for the first."""
         found: list[dict[str, Any]] = []
         try:
-            if not select.select([self._socket], [], [], _POLL_S)[0]:
+            ready, _, _ = select.select([self._socket, self._wake_read], [], [], _POLL_S)
+            if self._socket not in ready:
                 return found
             while True:
                 data = self._socket.recv(_MAX_REQUEST)
