@@ -225,11 +225,11 @@ def agent_setting(params: RendezvousParameters, key: str, environ: Mapping[str, 
     return str(value) if value is not None else environ.get(f"ELASTIC_TRAIN_{key.upper()}")
 
 
-class _Server(ThreadingMixIn, WSGIServer):
+class _MetricsServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in flight does not hold the agent's exit
 
 
-class _Server6(_Server):
+class _MetricsServer6(_MetricsServer):
     address_family = socket.AF_INET6
 
 
@@ -245,7 +245,7 @@ def _start_server(
     family, *_, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
-    server_class = _Server6 if family == socket.AF_INET6 else _Server
+    server_class = _MetricsServer6 if family == socket.AF_INET6 else _MetricsServer
     server = make_server(
         address[0], port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
     )
