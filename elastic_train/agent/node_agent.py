@@ -141,8 +141,8 @@ class NodeAgent:
 
     def start(self, *, min_nodes: int, max_nodes: int) -> None:
         """Serve metrics, then start the zygote (its imports must see the metrics directory)."""
-        # First registered, so the last atexit hook: the interpreter's final collections
-        # then skip every object alive now (torch's), 0.6 s of each agent's exit (py-spy).
+        # Before the agent's own closers, so it runs after them: the interpreter's final
+        # collections skip every object alive then (torch's), 0.6 s of each exit (py-spy).
         atexit.register(gc.freeze)
         node = metrics.node_name()
         bind_context(run_id=self._run_id, node=node)
