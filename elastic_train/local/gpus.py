@@ -27,9 +27,10 @@ from pathlib import Path
 
 from elastic_train.errors import ConfigError
 
-#: Where a GPU driver shows itself: NVIDIA's (also inside containers), AMD's ROCm
-#: and WSL 2's. None of them there: ``torch.cuda.device_count()`` is 0.
-GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+#: Where a GPU driver shows itself: NVIDIA's (also inside containers), Jetson's
+#: (Tegra has no nvidiactl), AMD's ROCm and WSL 2's. None of them there:
+#: ``torch.cuda.device_count()`` is 0.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvmap", "/dev/kfd", "/dev/dxg")
 
 
 @dataclass(frozen=True)
