@@ -253,11 +253,14 @@ class LocalCluster:
     def gpus(self) -> GpuPlan:
         """Each node's GPUs, or the CPU for all (:mod:`.gpus`); decided once per run."""
         backend = None
-        if Path(self.spec.script).resolve() == MAIN_SCRIPT.resolve():
-            backend = parse_cli(self._own_args()).config.elastic.backend
-        elif self.spec.trainer_args:  # a script of api.fit's takes main.py's arguments
-            with contextlib.suppress(ConfigError):  # ...or flags of its own: left alone
+        main = Path(self.spec.script).resolve() == MAIN_SCRIPT.resolve()
+        if main or self.spec.trainer_args:  # a script of api.fit's takes main.py's arguments
+            try:
                 backend = parse_cli(self._own_args()).config.elastic.backend
+            except ConfigError:
+                if main:
+                    raise
+                # ...or flags of its own: left alone
         environ = {**os.environ, **dict(self.spec.env)}
         return plan_gpus(
             local_gpus(environ), nodes=node_indexes(self.spec.chaos, nodes=self.spec.nodes),
