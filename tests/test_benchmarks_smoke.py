@@ -6,15 +6,10 @@ make sense together (not merely "it ran")."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-# benchmarks/ is a top-level package of the repository, not of the installed
-# distribution; pytest's rootdir import mode puts only tests/ on sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import (
     checkpoint_cost,
