@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 NO_TAKEOVER_ENV = "ELASTIC_TRAIN_NO_ETCD_TAKEOVER"
-#: training/membership.py's ETCD_ENV: how workers reach etcd for in-process recovery.
+#: training/etcd_access.py's ETCD_ENV: how workers reach etcd for in-process recovery.
 INPROCESS_ETCD_ENV = "ELASTIC_TRAIN_INPROCESS_ETCD"
 #: training/exit_barrier.py's EXIT_BARRIER_ENV: where the round the agent joined keeps its store.
 EXIT_BARRIER_ENV = "ELASTIC_TRAIN_EXIT_BARRIER"
@@ -101,7 +101,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 def inprocess_etcd_env(params: RendezvousParameters) -> str:
     """The workers' way to the rendezvous etcd, for ``elastic.recovery = "inprocess"``
-    (read by ``training/membership.py``'s ``EtcdAccess``): endpoints, TLS file
+    (read by ``training/etcd_access.py``'s ``EtcdAccess``): endpoints, TLS file
     paths, user name, key prefix, the secret FILE path. Never a secret or a
     password: those stay in ``secret_file``, ``ELASTIC_TRAIN_RDZV_SECRET`` and
     ``ETCD_PASSWORD``, which the workers inherit.

@@ -37,14 +37,8 @@ from elastic_train.torchrun_plugin import inprocess_etcd_env
 from elastic_train.training import next_group
 from elastic_train.training.admission import ASYNC_JOIN_ENV as WORKER_ENV
 from elastic_train.training.admission import JoinTicket, JoinWatch
-from elastic_train.training.membership import (
-    ETCD_ENV,
-    HEAD_SILENCE_S,
-    EtcdAccess,
-    Generation,
-    Member,
-    Membership,
-)
+from elastic_train.training.etcd_access import ETCD_ENV, EtcdAccess
+from elastic_train.training.membership import HEAD_SILENCE_S, Generation, Member, Membership
 from elastic_train.training.next_group import Formation
 
 # -- the side round -------------------------------------------------------------------

@@ -33,6 +33,7 @@ from elastic_train.rendezvous import backend as rendezvous
 from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
 from elastic_train.torchrun_plugin import EXIT_BARRIER_ENV as PLUGIN_ENV
 from elastic_train.torchrun_plugin import export_rounds, inprocess_etcd_env
+from elastic_train.training.etcd_access import ETCD_ENV, EtcdAccess
 from elastic_train.training.exit_barrier import (
     EXIT_BARRIER_ENV,
     LAST_MEMBER,
@@ -43,7 +44,7 @@ from elastic_train.training.exit_barrier import (
     release_after_shrink,
     release_departed,
 )
-from elastic_train.training.membership import ETCD_ENV, EtcdAccess, Membership
+from elastic_train.training.membership import Membership
 
 
 @dataclass

@@ -35,8 +35,8 @@ from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
 from elastic_train.torchrun_plugin import INPROCESS_ETCD_ENV
 from elastic_train.training.distributed import WorkerEnv, init_distributed
+from elastic_train.training.etcd_access import ETCD_ENV, EtcdAccess
 from elastic_train.training.inprocess import abort_group
-from elastic_train.training.membership import ETCD_ENV, EtcdAccess
 
 STEPS = 40
 TRAINER_ARGS = [
@@ -107,7 +107,8 @@ def test_the_plugin_and_the_worker_agree_on_the_env_and_it_holds_no_secret(
 MEMBER = r"""
 import json, sys, time
 from elastic_train.errors import InProcessRecoveryError
-from elastic_train.training.membership import EtcdAccess, Membership
+from elastic_train.training.etcd_access import EtcdAccess
+from elastic_train.training.membership import Membership
 rank, world, lineage = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 m = Membership(EtcdAccess.from_env(), lineage=lineage, node=f"node{rank}", host="127.0.0.1")
 m.register(rank=rank, world_size=world, deadline=time.monotonic() + 60)

@@ -17,7 +17,7 @@ from elastic_train.config.job import JobConfig
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.codec import SECRET_ENV
-from elastic_train.training.membership import ETCD_ENV, EtcdAccess
+from elastic_train.training.etcd_access import ETCD_ENV, EtcdAccess
 from elastic_train.training.recovery_mode import resolve_recovery, restart_reason
 
 SECRET = "s" * 32

@@ -40,6 +40,7 @@ from elastic_train.errors import ConfigError, ElasticTrainError, MemberLostError
 from elastic_train.etcd.group_marker import answers
 from elastic_train.log import get_logger
 from elastic_train.training import next_group
+from elastic_train.training.etcd_access import EtcdAccess, json_from_env
 from elastic_train.training.inprocess import (
     InProcess,
     LoopHooks,
@@ -48,14 +49,7 @@ from elastic_train.training.inprocess import (
     regroup,
     settle_formation,
 )
-from elastic_train.training.membership import (
-    EtcdAccess,
-    Generation,
-    Member,
-    Membership,
-    json_from_env,
-    probe,
-)
+from elastic_train.training.membership import Generation, Member, Membership, probe
 
 if TYPE_CHECKING:
     from elastic_train.training.loop import Trainer

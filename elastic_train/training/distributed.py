@@ -22,7 +22,7 @@ from elastic_train.config.job import ElasticConfig
 from elastic_train.errors import ConfigError
 from elastic_train.log import get_logger
 from elastic_train.metrics import node_name_from
-from elastic_train.training.membership import EtcdAccess
+from elastic_train.training.etcd_access import EtcdAccess
 
 log = get_logger(__name__)
 

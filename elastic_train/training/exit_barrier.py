@@ -26,7 +26,7 @@ agent that is still part of the job.
 
 The torchrun plugin tells the workers where the round's store is
 (:data:`EXIT_BARRIER_ENV`); etcd access and the job secret come the way the
-membership's do (:class:`~elastic_train.training.membership.EtcdAccess`).
+membership's do (:class:`~elastic_train.training.etcd_access.EtcdAccess`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ import torch.distributed as dist
 from elastic_train.errors import ElasticTrainError
 from elastic_train.etcd.store import EtcdV3Store
 from elastic_train.log import get_logger
-from elastic_train.training.membership import json_from_env
+from elastic_train.training.etcd_access import json_from_env
 
 if TYPE_CHECKING:
-    from elastic_train.training.membership import EtcdAccess, Membership
+    from elastic_train.training.etcd_access import EtcdAccess
+    from elastic_train.training.membership import Membership
 
 log = get_logger(__name__)
 

@@ -37,7 +37,8 @@ from elastic_train.log import bind_context, get_logger
 from elastic_train.state.restore import broadcast_state
 from elastic_train.training import next_group
 from elastic_train.training.distributed import DistContext, broadcast_attempt_id
-from elastic_train.training.membership import EtcdAccess, Generation, Membership
+from elastic_train.training.etcd_access import EtcdAccess
+from elastic_train.training.membership import Generation, Membership
 from elastic_train.training.progress_marker import ProgressMarker
 from elastic_train.training.step import StepOutcome, run_step
 from elastic_train.training.step_timeout import StepTimeout

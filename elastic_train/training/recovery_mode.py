@@ -41,7 +41,7 @@ import torch
 from elastic_train.config.job import JobConfig, torch_release
 from elastic_train.errors import ConfigError
 from elastic_train.log import get_logger
-from elastic_train.training.membership import ETCD_ENV, EtcdAccess
+from elastic_train.training.etcd_access import ETCD_ENV, EtcdAccess
 
 log = get_logger(__name__)
 
