@@ -34,7 +34,11 @@ from elastic_train.audit import AuditTail, StepRecord
 from elastic_train.config.load import load_config
 from elastic_train.errors import ConfigError
 from elastic_train.torchrun_plugin import INPROCESS_ETCD_ENV
-from elastic_train.training.distributed import WorkerEnv, init_distributed
+from elastic_train.training.distributed import (
+    WorkerEnv,
+    generation_attempt_id,
+    init_distributed,
+)
 from elastic_train.training.etcd_access import ETCD_ENV, EtcdAccess
 from elastic_train.training.inprocess import abort_group
 
@@ -99,6 +103,16 @@ def test_the_plugin_and_the_worker_agree_on_the_env_and_it_holds_no_secret(
     for bad in ("{not json", json.dumps({"endpoints": ["127.0.0.1:2379"]})):
         with pytest.raises(ConfigError, match=f"environment variable {ETCD_ENV} is malformed"):
             EtcdAccess.from_env({ETCD_ENV: bad})
+
+
+def test_every_member_derives_one_new_attempt_id_per_generation() -> None:
+    # The switch has no collective for it: members and a joiner derive the id.
+    ids = {generation_attempt_id(lineage, g) for lineage in ("0a1b2c3d4e5f", "ffffffffffff")
+           for g in range(1, 51)}  # fmt: skip
+    assert len(ids) == 100
+    assert all(len(i) == 12 and int(i, 16) >= 0 for i in ids)
+    assert generation_attempt_id("0a1b2c3d4e5f", 7) == generation_attempt_id("0a1b2c3d4e5f", 7)
+    assert "0a1b2c3d4e5f" not in ids  # never generation 0's, the id torchrun's group drew
 
 
 # -- the agreement ----------------------------------------------------------------

@@ -7,6 +7,7 @@ single-process group on an in-memory store, so the training code has one path.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
@@ -187,6 +188,14 @@ def broadcast_attempt_id(ctx: DistContext) -> str:
     holder = torch.tensor([drawn], dtype=torch.int64, device=ctx.device)
     dist.broadcast(holder, src=0)
     return f"{int(holder.item()):012x}"
+
+
+def generation_attempt_id(lineage: str, generation: int) -> str:
+    """The attempt id of in-process generation ``generation`` of ``lineage``: every
+    member (and a joiner) knows both, so each derives the same id with no collective
+    in the switch. A different id per generation, like a drawn one."""
+    digest = hashlib.sha256(f"{lineage}/g{generation}".encode()).digest()
+    return f"{int.from_bytes(digest[:6], 'big'):012x}"
 
 
 def teardown() -> None:

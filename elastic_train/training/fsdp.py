@@ -21,6 +21,7 @@ code reads plain tensors as it does under DDP.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from elastic_train.training.loop import Trainer
 
 log = get_logger(__name__)
+
+#: DDP's ``init_sync`` (torch >= 2.7): whether its constructor may skip its collectives.
+_DDP_INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 #: Rank 0's unsharded copy of each sharded model, for the finish (:func:`consolidate`).
 _BLUEPRINTS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
@@ -118,12 +122,22 @@ class _NoSync:
         self.sharded.set_requires_gradient_sync(True)
 
 
-def wrap_for_training(model: nn.Module, ctx: DistContext) -> nn.Module:
+def wrap_for_training(
+    model: nn.Module, ctx: DistContext, *, states_equal: bool = False
+) -> nn.Module:
     """DDP around a plain model (its constructor broadcasts rank 0's weights);
-    :class:`ShardedModel` around a sharded one."""
+    :class:`ShardedModel` around a sharded one.
+
+    ``states_equal``: every rank holds the same weights already (an in-process
+    re-form has just brought them all to one state), so DDP's start-up
+    collectives (a shape check and a broadcast of every parameter) are skipped
+    where torch can (``init_sync``, torch >= 2.7): milliseconds of the members'
+    stall at a join. Buffers still follow rank 0 from the first forward on."""
     if is_sharded(model):
         return ShardedModel(model)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    if states_equal and _DDP_INIT_SYNC:
+        return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
     return DistributedDataParallel(model, device_ids=device_ids)
 
 

@@ -131,9 +131,12 @@ class TrainResult:
 # -- setup ----------------------------------------------------------------------
 
 
-def wrap_model(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
-    """The DDP wrapper (fsdp2: ``fsdp.ShardedModel``); the place to register comm hooks."""
-    return wrap_for_training(model, ctx)  # type: ignore[return-value]
+def wrap_model(
+    model: nn.Module, ctx: DistContext, *, states_equal: bool = False
+) -> DistributedDataParallel:
+    """The DDP wrapper (fsdp2: ``fsdp.ShardedModel``); the place to register comm hooks.
+    ``states_equal``: see :func:`~elastic_train.training.fsdp.wrap_for_training`."""
+    return wrap_for_training(model, ctx, states_equal=states_equal)  # type: ignore[return-value]
 
 
 def build(
@@ -252,7 +255,10 @@ def restore(t: Trainer) -> None:
 HOOKS = LoopHooks(
     state_dict=lambda t: state_dict(t),
     load_state_dict=lambda t, s: load_state_dict(t, s),
-    wrap=lambda t, ctx: t.comm_hook.register(wrap_model(compiled(t.model, t.cfg.training), ctx)),
+    # In process only, after roll_back has brought every member to one state.
+    wrap=lambda t, ctx: t.comm_hook.register(
+        wrap_model(compiled(t.model, t.cfg.training), ctx, states_equal=True)
+    ),
     open_checkpoints=lambda t, ctx: open_checkpoints(
         t.cfg, ctx, fingerprint=t.fingerprint, model=t.model, optimizer=t.optimizer
     ),
