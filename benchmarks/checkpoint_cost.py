@@ -246,7 +246,7 @@ def targets(summary: dict[str, dict[str, Any]]) -> list[harness.Target]:
 def main(argv: list[str] | None = None) -> None:
     parser = harness.base_parser(__doc__.splitlines()[0], default_repeats=5)
     parser.add_argument("--steps", type=int, default=120, help="timed steps per run")
-    parser.add_argument("--interval", type=int, default=60, help="steps between saves")
+    parser.add_argument("--interval", type=int, default=20, help="steps between saves")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     large, kwargs = LARGE, {"steps": args.steps, "interval": args.interval}
