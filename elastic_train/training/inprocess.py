@@ -273,7 +273,9 @@ def roll_back(t: Trainer, hooks: LoopHooks, *, joining: bool = False) -> int:
         holder = torch.tensor([mine], dtype=torch.int64, device=t.ctx.device)
         dist.all_reduce(holder, op=dist.ReduceOp.MIN)
         src = int(holder.item())
-        held = hooks.state_dict(t) if t.ctx.rank == src else None
+        # Every rank at the newest step holds that state already (in lockstep: the
+        # same all-reduced gradients): it passes its own and decodes nothing.
+        held = hooks.state_dict(t) if own == newest else None
         state = broadcast_state(held, src, None, fingerprint="inprocess", step=newest,
                                 map_location=t.ctx.device)  # fmt: skip
         if held is None:
