@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic_train.config.job import parse_signal
+from elastic_train.config.checks import parse_signal
 from elastic_train.training.preemption import PreemptionHandler
 
 

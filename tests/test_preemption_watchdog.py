@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.audit import AuditTail
-from elastic_train.config.job import parse_signal
+from elastic_train.config.checks import parse_signal
 from elastic_train.errors import EXIT_HANG, ConfigError
 from elastic_train.etcd.server import free_port
 from elastic_train.training.preemption import (

@@ -9,7 +9,7 @@ import importlib.metadata
 
 import pytest
 
-from elastic_train.config.job import FSDP2_MIN_TORCH, torch_release
+from elastic_train.config.checks import FSDP2_MIN_TORCH, torch_release
 from elastic_train.training.recovery_mode import torch_reason
 
 _TORCH = importlib.metadata.version("torch")

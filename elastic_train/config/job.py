@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
-import re
-import signal
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from elastic_train.config.checks import (
+    builtin_or_import_string,
+    check,
+    check_fsdp2,
+    parse_signal,
+    positive,
+)
 from elastic_train.errors import ConfigError
 
 #: The optimizers and LR schedules that ``optimizer.name``/``schedule.name`` name
@@ -46,7 +50,7 @@ class ModelConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _positive(self, "hidden_size", "num_layers", "num_heads")
+        positive(self, "hidden_size", "num_layers", "num_heads")
 
 
 @dataclass(frozen=True)
@@ -81,18 +85,18 @@ class DataConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        _positive(self, "num_samples", "num_features", "seq_len")
-        _check(self, "num_classes", self.num_classes >= 2, "must be >= 2")
-        _check(self, "collate_fn", not self.collate_fn or ":" in self.collate_fn,
-               'expected "" or an import string package.module:function')  # fmt: skip
-        _check(self, "num_workers", self.num_workers >= 0, "must be >= 0 (0: no workers)")
-        _check(self, "prefetch_factor", self.prefetch_factor >= 0,
-               "must be >= 0 (0: torch's default, 2 per worker)")  # fmt: skip
+        positive(self, "num_samples", "num_features", "seq_len")
+        check(self, "num_classes", self.num_classes >= 2, "must be >= 2")
+        check(self, "collate_fn", not self.collate_fn or ":" in self.collate_fn,
+              'expected "" or an import string package.module:function')  # fmt: skip
+        check(self, "num_workers", self.num_workers >= 0, "must be >= 0 (0: no workers)")
+        check(self, "prefetch_factor", self.prefetch_factor >= 0,
+              "must be >= 0 (0: torch's default, 2 per worker)")  # fmt: skip
         without = "needs data.num_workers > 0 (with 0 the training process loads each "
-        _check(self, "prefetch_factor", self.num_workers > 0 or self.prefetch_factor == 0,
-               without + "micro-batch when the step needs it); set it to 0")  # fmt: skip
-        _check(self, "persistent_workers", self.num_workers > 0 or not self.persistent_workers,
-               without + "micro-batch, there are no workers to keep); set it to false")  # fmt: skip
+        check(self, "prefetch_factor", self.num_workers > 0 or self.prefetch_factor == 0,
+              without + "micro-batch when the step needs it); set it to 0")  # fmt: skip
+        check(self, "persistent_workers", self.num_workers > 0 or not self.persistent_workers,
+              without + "micro-batch, there are no workers to keep); set it to false")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -137,17 +141,17 @@ class TrainingConfig:
     parallel: Literal["ddp", "fsdp2"] = "ddp"
 
     def __post_init__(self) -> None:
-        _check(self, "steps", self.steps >= 0, "must be >= 0")
-        _check(self, "epochs", self.epochs >= 0, "must be >= 0")
-        _check(
+        check(self, "steps", self.steps >= 0, "must be >= 0")
+        check(self, "epochs", self.epochs >= 0, "must be >= 0")
+        check(
             self, "steps", (self.steps > 0) != (self.epochs > 0),
             "exactly one of training.steps and training.epochs must be > 0",
         )  # fmt: skip
-        _positive(self, "global_batch_size", "worker_batch_size", "final_loss_samples")
-        _positive(self, "powersgd_rank", "powersgd_start_iter")
-        _check(self, "micro_batch_size", self.micro_batch_size >= 0, "must be >= 0 (0: no limit)")
+        positive(self, "global_batch_size", "worker_batch_size", "final_loss_samples")
+        positive(self, "powersgd_rank", "powersgd_start_iter")
+        check(self, "micro_batch_size", self.micro_batch_size >= 0, "must be >= 0 (0: no limit)")
         if self.parallel == "fsdp2":
-            _check_fsdp2(self)
+            check_fsdp2(self)
 
     def total_steps(self, *, dataset_len: int, batch_size: int) -> int:
         return self.steps or self.epochs * -(-dataset_len // batch_size)  # a short last batch too
@@ -174,10 +178,10 @@ class OptimizerConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _builtin_or_import_string(self, "name", BUILTIN_OPTIMIZERS)
-        _positive(self, "lr", "eps")
-        _check(self, "weight_decay", self.weight_decay >= 0, "must be >= 0")
-        _check(self, "grad_clip", self.grad_clip >= 0, "must be >= 0 (0: off)")
+        builtin_or_import_string(self, "name", BUILTIN_OPTIMIZERS)
+        positive(self, "lr", "eps")
+        check(self, "weight_decay", self.weight_decay >= 0, "must be >= 0")
+        check(self, "grad_clip", self.grad_clip >= 0, "must be >= 0 (0: off)")
 
 
 @dataclass(frozen=True)
@@ -194,9 +198,9 @@ class ScheduleConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _builtin_or_import_string(self, "name", BUILTIN_SCHEDULES)
-        _check(self, "warmup_steps", self.warmup_steps >= 0, "must be >= 0")
-        _check(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        builtin_or_import_string(self, "name", BUILTIN_SCHEDULES)
+        check(self, "warmup_steps", self.warmup_steps >= 0, "must be >= 0")
+        check(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -230,12 +234,12 @@ class CheckpointConfig:
     export_dir: str = ""
 
     def __post_init__(self) -> None:
-        _positive(self, "max_consecutive_failures")
-        _check(self, "interval_steps", self.interval_steps >= 0, "must be >= 0 (0: off)")
-        _check(self, "interval_seconds", self.interval_seconds >= 0, "must be >= 0 (0: off)")
-        _positive(self, "keep")
-        _check(self, "init_from", not (self.init_from and self.resume_from),
-               "set init_from (weights only) or resume_from (full state), not both")  # fmt: skip
+        positive(self, "max_consecutive_failures")
+        check(self, "interval_steps", self.interval_steps >= 0, "must be >= 0 (0: off)")
+        check(self, "interval_seconds", self.interval_seconds >= 0, "must be >= 0 (0: off)")
+        positive(self, "keep")
+        check(self, "init_from", not (self.init_from and self.resume_from),
+              "set init_from (weights only) or resume_from (full state), not both")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -307,22 +311,22 @@ class ElasticConfig:
     inprocess_join_timeout_seconds: float = 300.0
 
     def __post_init__(self) -> None:
-        _positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")
-        _positive(self, "watchdog_startup_seconds")
-        _check(self, "preemption_check_every", self.preemption_check_every >= 0,
-               "must be >= 0 (0: adaptive)")  # fmt: skip
-        _check(self, "snapshot_every_steps", self.snapshot_every_steps >= 0,
-               "must be >= 0 (0: adaptive)")  # fmt: skip
-        _check(self, "snapshot_max_overhead", 0 < self.snapshot_max_overhead <= 1,
-               "must be in (0, 1]")  # fmt: skip
-        _check(self, "snapshot_max_mib", self.snapshot_max_mib >= 0, "must be >= 0 (0: no limit)")
-        _check(self, "inprocess_max_reforms", self.inprocess_max_reforms >= 1, "must be >= 1")
-        _positive(self, "inprocess_probe_seconds", "inprocess_timeout_floor_seconds")
-        _positive(self, "inprocess_join_timeout_seconds")
-        _check(self, "inprocess_timeout_multiple", self.inprocess_timeout_multiple >= 0,
-               "must be >= 0 (0: pg_timeout_seconds throughout)")  # fmt: skip
-        _check(self, "watchdog_timeout_seconds", self.watchdog_timeout_seconds >= 0,
-               "must be >= 0 (0: adaptive)")  # fmt: skip
+        positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")
+        positive(self, "watchdog_startup_seconds")
+        check(self, "preemption_check_every", self.preemption_check_every >= 0,
+              "must be >= 0 (0: adaptive)")  # fmt: skip
+        check(self, "snapshot_every_steps", self.snapshot_every_steps >= 0,
+              "must be >= 0 (0: adaptive)")  # fmt: skip
+        check(self, "snapshot_max_overhead", 0 < self.snapshot_max_overhead <= 1,
+              "must be in (0, 1]")  # fmt: skip
+        check(self, "snapshot_max_mib", self.snapshot_max_mib >= 0, "must be >= 0 (0: no limit)")
+        check(self, "inprocess_max_reforms", self.inprocess_max_reforms >= 1, "must be >= 1")
+        positive(self, "inprocess_probe_seconds", "inprocess_timeout_floor_seconds")
+        positive(self, "inprocess_join_timeout_seconds")
+        check(self, "inprocess_timeout_multiple", self.inprocess_timeout_multiple >= 0,
+              "must be >= 0 (0: pg_timeout_seconds throughout)")  # fmt: skip
+        check(self, "watchdog_timeout_seconds", self.watchdog_timeout_seconds >= 0,
+              "must be >= 0 (0: adaptive)")  # fmt: skip
         parse_signal(self.preemption_signal)
 
 
@@ -341,9 +345,9 @@ class EvalConfig:
     max_samples: int = 0
 
     def __post_init__(self) -> None:
-        _check(self, "every_steps", self.every_steps >= 0, "must be >= 0 (0: off)")
-        _check(self, "max_samples", self.max_samples >= 0, "must be >= 0 (0: all)")
-        _positive(self, "batch_size")
+        check(self, "every_steps", self.every_steps >= 0, "must be >= 0 (0: off)")
+        check(self, "max_samples", self.max_samples >= 0, "must be >= 0 (0: all)")
+        positive(self, "batch_size")
 
 
 @dataclass(frozen=True)
@@ -365,10 +369,10 @@ class LoggingConfig:
     trackers: str = ""
 
     def __post_init__(self) -> None:
-        _positive(self, "log_every_steps")
+        positive(self, "log_every_steps")
         specs = [spec.strip() for spec in self.trackers.split(",") if spec.strip()]
-        _check(self, "trackers", all(":" in spec for spec in specs),
-               "expected comma-separated import strings package.module:factory")  # fmt: skip
+        check(self, "trackers", all(":" in spec for spec in specs),
+              "expected comma-separated import strings package.module:factory")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -412,53 +416,6 @@ class JobConfig:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
 
 
-def _check(component: Any, key: str, ok: bool, message: str) -> None:
-    if not ok:
-        value = getattr(component, key)
-        raise ConfigError(f"{component.SECTION}.{key} = {value!r}: {message}")
-
-
-def _positive(component: Any, *keys: str) -> None:
-    for key in keys:
-        _check(component, key, getattr(component, key) > 0, "must be > 0")
-
-
-def _builtin_or_import_string(component: Any, key: str, builtins: tuple[str, ...]) -> None:
-    value = getattr(component, key)
-    names = ", ".join(repr(name) for name in builtins)
-    _check(component, key, value in builtins or ":" in value,
-           f"use one of {names} or an import string package.module:factory")  # fmt: skip
-
-
-#: The oldest torch whose fully_shard runs on CPU: torch 2.6's fails at the first
-#: forward ("'Stream' object has no attribute 'record_event'", measured here).
-FSDP2_MIN_TORCH = (2, 7)
-
-
-def torch_release(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string: "2.10.0a0+git1" -> (2, 10)."""
-    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
-    return major, minor
-
-
-def _check_fsdp2(cfg: TrainingConfig) -> None:
-    """What ``parallel = "fsdp2"`` cannot combine with; read without importing torch."""
-    also = "with training.parallel = 'fsdp2'"
-    _check(cfg, "comm_hook", cfg.comm_hook == "none",
-           f"DDP communication hooks do not apply {also}; use 'none'")  # fmt: skip
-    _check(cfg, "precision", cfg.precision != "fp16",
-           f"fp16's GradScaler checks for inf per rank, which a sharded gradient "
-           f"cannot agree on {also}; use 'bf16' or 'fp32'")  # fmt: skip
-    _check(cfg, "compile", not cfg.compile, f"torch.compile is not supported {also} yet")
-    try:
-        version = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return  # torch's own import error says more
-    _check(cfg, "parallel", torch_release(version) >= FSDP2_MIN_TORCH,
-           f"needs torch >= {'.'.join(map(str, FSDP2_MIN_TORCH))} "
-           f"(installed: {version}); use 'ddp' or upgrade torch")  # fmt: skip
-
-
 #: What a checkpoint's meaning depends on. A resume under a different value
 #: would load tensors into the wrong shapes or replay a different sample order.
 #: World size, batch split, intervals, LR schedule and logging may change.
@@ -484,17 +441,3 @@ def fingerprint(cfg: JobConfig) -> str:
         picked.get("data", {}).pop(key, None)
     canonical = json.dumps(picked, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def parse_signal(name: str) -> signal.Signals:
-    """``"SIGUSR1"``, ``"USR1"`` or ``"10"`` -> ``signal.SIGUSR1``."""
-    text = name.strip().upper()
-    try:
-        if text.isdigit():
-            return signal.Signals(int(text))
-        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
-    except (KeyError, ValueError) as exc:
-        raise ConfigError(
-            f"elastic.preemption_signal = {name!r} is not a signal name; "
-            "use e.g. SIGUSR1, SIGUSR2, SIGINT"
-        ) from exc

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Subset
 
-from elastic_train.config.job import EvalConfig, JobConfig, parse_signal
+from elastic_train.config.checks import parse_signal
+from elastic_train.config.job import EvalConfig, JobConfig
 from elastic_train.training.preemption import PreemptionHandler, StopReason
 from elastic_train.training.watchdog import Watchdog
 from elastic_train.workload.datasets import DataBundle

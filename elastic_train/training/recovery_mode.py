@@ -38,7 +38,8 @@ from collections.abc import Mapping
 
 import torch
 
-from elastic_train.config.job import JobConfig, torch_release
+from elastic_train.config.checks import torch_release
+from elastic_train.config.job import JobConfig
 from elastic_train.errors import ConfigError
 from elastic_train.log import get_logger
 from elastic_train.training.etcd_access import ETCD_ENV, EtcdAccess
