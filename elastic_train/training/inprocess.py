@@ -265,14 +265,16 @@ def roll_back(t: Trainer, hooks: LoopHooks, *, joining: bool = False) -> int:
         t.step = start.step
     t.optimizer.zero_grad(set_to_none=True)
     own = -1 if joining else t.step
-    steps = torch.tensor([own, -own], dtype=torch.int64, device=t.ctx.device)
+    world, rank = t.ctx.world_size, t.ctx.rank
+    # One all-reduce: the newest step, the oldest, and (the max of own x world +
+    # world - 1 - rank) the lowest rank that holds the newest.
+    keys = [own, -own, own * world + world - 1 - rank]
+    steps = torch.tensor(keys, dtype=torch.int64, device=t.ctx.device)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    newest, oldest = int(steps[0].item()), -int(steps[1].item())
+    newest, minus_oldest, holder = steps.tolist()
+    oldest = -minus_oldest
     if newest != oldest:
-        mine = t.ctx.rank if own == newest else t.ctx.world_size
-        holder = torch.tensor([mine], dtype=torch.int64, device=t.ctx.device)
-        dist.all_reduce(holder, op=dist.ReduceOp.MIN)
-        src = int(holder.item())
+        src = world - 1 - holder % world
         # Every rank at the newest step holds that state already (in lockstep: the
         # same all-reduced gradients): it passes its own and decodes nothing.
         held = hooks.state_dict(t) if own == newest else None
