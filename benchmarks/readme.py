@@ -73,6 +73,26 @@ def _event_rows(results: dict[str, dict[str, Any]]) -> list[str]:
     return rows
 
 
+def _join_row(result: dict[str, Any]) -> str:
+    """A node joining: its agent's start to the first step at the larger world (it
+    has a target), and how long the others' steps stopped for it (one step included)."""
+    missed = [t for t in result.get("targets", []) if t["met"] is False]
+    above = f" (above the {missed[0]['limit']:g} s target)" if missed else ""
+
+    def cell(name: str) -> str:
+        entry = _entry(result, name)
+        if (entry.get("seconds") or {}).get("median") is None:
+            return _failed(result, name).removeprefix("; ") or "no result"
+        note = above if name == "ours" else ""
+        stall = _seconds(entry.get("stall_seconds"))
+        return f"{_seconds(entry['seconds'])}{note}; stall {stall}{_failed(result, name)}"
+
+    nodes = result["settings"]["nodes"]
+    ours, tuned, default = (cell(n) for n in ("ours", TUNED, DEFAULT))
+    return (f"| A node joins {nodes}: its agent's start → first step at {nodes + 1}; "
+            f"the others' stall | **{ours}** | {tuned} | {default} |")  # fmt: skip
+
+
 def _throughput_row(result: dict[str, Any]) -> str:
     target = next((t for t in result.get("targets", []) if t["name"] == THROUGHPUT_TARGET), None)
     ratio = "no ratio"
@@ -148,6 +168,8 @@ def headline(results: dict[str, dict[str, Any]]) -> str:
         "|---|---|---|---|",
         *_event_rows(results),
     ]
+    if "scaleup" in results:
+        rows.append(_join_row(results["scaleup"]))
     if "throughput" in results:
         rows.append(_throughput_row(results["throughput"]))
     if "goodput" in results:

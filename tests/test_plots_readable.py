@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,6 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_hex
 from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
-
-# benchmarks/ is a top-level package of the repository, not of the installed distribution.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import plots, report
 

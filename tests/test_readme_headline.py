@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
-
-# benchmarks/ is a top-level package of the repository, not of the installed distribution.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import readme, report
 
@@ -73,6 +69,16 @@ def test_the_table_holds_the_measured_numbers_in_the_right_columns() -> None:
         assert cell.strip("*").startswith(f"{entry['goodput']['median']:.3f}"), who
         weighted = entry["goodput_world_weighted"]["median"]
         assert f"({weighted:.3f} world-weighted)" in cell, who
+    scaleup = json.loads((RESULTS / "scaleup.json").read_text())
+    cells = _row(block, "A node joins")
+    for cell, who in zip(cells[1:], ("ours", "c10d-tuned", "c10d-default"), strict=True):
+        entry, runs = scaleup["summary"][who], scaleup["repeats"]
+        if entry["seconds"]["median"] is None:  # no join within the timeout: said, not hidden
+            assert cell == f"{len(entry['errors'])} of {runs} runs failed", who
+            continue
+        seconds, stall = entry["seconds"]["median"], entry["stall_seconds"]["median"]
+        assert cell.strip("*").startswith(f"{seconds:.2f} s"), who
+        assert f"; stall {stall:.2f} s" in cell, who
     throughput = json.loads((RESULTS / "throughput.json").read_text())
     (target,) = [t for t in throughput["targets"] if t["name"] == readme.THROUGHPUT_TARGET]
     assert f"{target['value']:.3f}x plain DDP" in _row(block, "Throughput")[1]
