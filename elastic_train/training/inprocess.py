@@ -36,11 +36,7 @@ from elastic_train.errors import ElasticTrainError, InProcessRecoveryError, Memb
 from elastic_train.log import bind_context, get_logger
 from elastic_train.state.restore import broadcast_state
 from elastic_train.training import next_group
-from elastic_train.training.distributed import (
-    DistContext,
-    broadcast_attempt_id,
-    generation_attempt_id,
-)
+from elastic_train.training.distributed import DistContext, generation_attempt_id
 from elastic_train.training.etcd_access import EtcdAccess
 from elastic_train.training.membership import Generation, Membership
 from elastic_train.training.progress_marker import ProgressMarker
@@ -292,16 +288,13 @@ def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = Fal
     bind_context(rank=ctx.rank, world_size=ctx.world_size)
     t.guards.preemption.resync()
     ip = t.inprocess
-    if ip is not None:  # a vote taken before the failure is for a group that is gone
-        ip.admit_due = False
+    gen = ip.membership.current if ip is not None else None
+    assert ip is not None and gen is not None  # regroup's, after a formation
+    ip.admit_due = False  # a vote taken before the failure is for a group that is gone
     t.ddp = hooks.wrap(t, ctx)  # a new reducer over the weights roll_back made equal
     t.batches.start(t.sampler, step=t.step, rank=ctx.rank, world_size=ctx.world_size,
                     training=t.cfg.training)  # fmt: skip
-    gen = ip.membership.current if ip is not None else None
-    if ip is not None and gen is not None:  # no collective in the switch
-        t.attempt = generation_attempt_id(ip.membership.lineage, gen.number)
-    else:
-        t.attempt = broadcast_attempt_id(ctx)
+    t.attempt = generation_attempt_id(ip.membership.lineage, gen.number)  # no collective
     if t.cfg.logging.audit_dir:  # a joiner has none yet
         if t.audit is not None:
             t.audit.close()
