@@ -19,7 +19,7 @@ from typing import Any
 from benchmarks import harness
 from benchmarks.cluster import BenchCluster
 from benchmarks.harness import Competitor
-from benchmarks.throughput import METRICS, SAME_MATH, window_rates
+from benchmarks.throughput import METRICS, window_rates
 from benchmarks.workloads import Workload
 
 PLAIN_FSDP2 = Path(__file__).resolve().parent / "competitors" / "plain_fsdp2.py"
@@ -30,7 +30,7 @@ TARGET_RATIO = 0.99
 
 def two_nodes(comp: Competitor, workdir: Path, *, steps: int) -> BenchCluster:
     """The fault-free 2-node run of ``comp``, not started."""
-    workload = Workload(steps=steps, ours_overrides=(*SAME_MATH, "--training.parallel=fsdp2"))
+    workload = Workload(steps=steps, ours_overrides=("--training.parallel=fsdp2",))
     cluster = BenchCluster(comp, workload, workdir, nodes=2, min_nodes=2, max_nodes=2)
     if not comp.ours:  # the harness knows one plain script; this pair's is the FSDP2 one
         spec = cluster.local.spec

@@ -4,7 +4,7 @@
 What the FSDP2 tutorial does and nothing more: ``fully_shard`` on each layer
 that holds parameters, then on the root; every rank ``dcp.save``s the sharded
 state every ``--checkpoint.interval_steps`` steps and resumes from it at start.
-The model, the data, the sample order, the flags and the audit records are
+The model, the data, the sample order, the optimizer recipe, the flags and the audit records are
 those of ``plain_ddp.py`` (imported from it), so the two plain scripts differ
 only in the parallelism and the checkpoint.
 """
@@ -21,10 +21,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
+from elastic_train.config.job import OptimizerConfig
+from elastic_train.training.optim import build_optimizer
+
 try:
-    from benchmarks.competitors.plain_ddp import Audit, build, parse_args, shard
+    from benchmarks.competitors.plain_ddp import Audit, build, optimizer_step, parse_args, shard
 except ImportError:  # run as a script: torchrun puts this directory first on sys.path
-    from plain_ddp import Audit, build, parse_args, shard  # type: ignore[no-redef]
+    from plain_ddp import Audit, build, optimizer_step, parse_args, shard  # type: ignore[no-redef]
 
 
 def checkpoint_state(model: nn.Module, opt: torch.optim.Optimizer, pos: torch.Tensor) -> dict:
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         if next(layer.parameters(), None) is not None:
             fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = build_optimizer(OptimizerConfig(lr=args.lr), model)
     ckpt = args.ckpt_dir / "dcp"
     pos = torch.zeros(3, dtype=torch.int64)  # step, epoch, position
     if (ckpt / ".metadata").exists():
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         loss = nn.functional.cross_entropy(model(inputs[mine]), targets[mine])
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        optimizer_step(model, opt, args, step=step)
         step, position = step + 1, position + len(batch)
         audit.write(
             kind="step", step=step, epoch=epoch, indices=mine.tolist(), loss=float(loss.item())

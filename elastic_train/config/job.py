@@ -174,6 +174,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     #: Clip the global gradient norm to this value; 0 disables clipping.
     grad_clip: float = 1.0
+    #: The built-in optimizers' kernels: "auto" is AdamW's fused kernel where torch has
+    #: it for every parameter (CPU, CUDA; not FSDP2 shards), torch's default otherwise.
+    implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
     #: Keyword arguments for an optimizer factory (``--optimizer.options.key=value``).
     options: dict[str, Any] = field(default_factory=dict)
 

