@@ -4,9 +4,9 @@
 What the FSDP2 tutorial does and nothing more: ``fully_shard`` on each layer
 that holds parameters, then on the root; every rank ``dcp.save``s the sharded
 state every ``--checkpoint.interval_steps`` steps and resumes from it at start.
-The model, the data, the sample order, the optimizer recipe, the flags and the audit records are
-those of ``plain_ddp.py`` (imported from it), so the two plain scripts differ
-only in the parallelism and the checkpoint.
+The model, the data, the sample order, the optimizer recipe, the flags and
+the audit records are those of ``plain_ddp.py`` (imported from it), so the two
+plain scripts differ only in the parallelism and the checkpoint.
 """
 
 from __future__ import annotations
