@@ -178,7 +178,10 @@ def _check_annotations(
     """The restart and recovery annotations show node0's restarts and recoveries, when
     they happened: none before the kill, the first one right after it, and together
     (a query's value counts the changes in its window) as many as the run had. In
-    process, node0 never restarts: only the recoveries are drawn."""
+    process, node0's workers never restart after the kill: only the recoveries are
+    drawn. (Its first round may close before node1's agent is up, on a loaded box;
+    the restart for node1 then comes before training starts, and its annotation,
+    10 s wide, can reach past the kill: so the counter itself is compared.)"""
     kill, join = (e.time for e in summary.events if e.delivered)
     recoveries = [r for r in summary.recoveries if r.seconds is not None]
     assert len(recoveries) == 2, summary.recoveries
@@ -187,10 +190,10 @@ def _check_annotations(
     if mode == "restart":
         expected.append(("Worker restarts", 10.0))
     else:
-        restarts = _annotation_regions(
-            prom, exprs["Worker restarts"], node="node0", start=kill - 1, end=end
-        )
-        assert restarts == [], restarts
+        counter = f'elastic_train_restarts_total{{job="{JOB}",node="node0"}}'
+        series = prom.query_range(counter, start=kill - 1, end=end)
+        values = {float(v) for one in series for _, v in one["values"]}
+        assert len(values) == 1, series  # scraped, and never higher than before the kill
     for name, within in expected:
         regions = _annotation_regions(prom, exprs[name], node="node0", start=start, end=end)
         assert regions, f"no {name} annotation"
