@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_local import WORKER, wait_for
+from test_local import WORKER, live_workers, wait_for
 
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
@@ -84,7 +84,7 @@ def _state_value(endpoint: str, run_id: str) -> bytes | None:
 def test_a_local_run_signs_its_rendezvous_with_a_private_per_run_secret(tmp_path: Path) -> None:
     cluster = LocalCluster(_spec("etcd"), run_dir=tmp_path)
     with cluster:
-        wait_for(lambda: len(list((tmp_path / "alive").glob("node*"))) == 2, timeout=90,
+        wait_for(lambda: len(live_workers(tmp_path)) == 2, timeout=90,
                  what="a worker on every node")  # fmt: skip
         secret_file = tmp_path / "rdzv-secret"
         mode = secret_file.stat().st_mode

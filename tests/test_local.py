@@ -33,6 +33,18 @@ def wait_for(predicate: Callable[[], object], *, timeout: float, what: str) -> N
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def live_workers(run_dir: Path) -> dict[str, int]:
+    """Each node's live worker, by the files tests/local_worker.py writes. A worker that
+    a restart stopped leaves its file: on a loaded box the first round may close
+    before the last agent is up, and the next one restarts the workers it started."""
+    live = {}
+    for path in (run_dir / "alive").glob("node*"):
+        node, pid = path.name.rsplit("-", 1)
+        if psutil.pid_exists(int(pid)):
+            live[node] = int(pid)
+    return live
+
+
 def trivial_spec(nodes: int, *args: str, backend: str = "c10d") -> ClusterSpec:
     # c10d and a worker that imports nothing: the cheapest real torchrun nodes.
     return ClusterSpec(
@@ -52,7 +64,7 @@ def test_faults_reach_agents_and_workers_and_close_leaves_nothing(tmp_path: Path
     # node killed below is that one, the other agents fail with it.
     cluster = LocalCluster(trivial_spec(3, backend="etcd"), run_dir=tmp_path)
     with cluster:
-        wait_for(lambda: len(list((tmp_path / "alive").glob("node*"))) == 3, timeout=90,
+        wait_for(lambda: len(live_workers(tmp_path)) == 3, timeout=90,
                  what="a worker on every node")  # fmt: skip
         everything = [p for i in range(3) for p in tree(cluster, i)]
         assert len(everything) == 6  # one agent and one worker per node
