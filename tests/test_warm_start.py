@@ -438,6 +438,12 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
     assert starts["node0"] >= 3 and starts["node1"] >= 2, starts
     assert not any(_events(path, "warm_start_unavailable") for path in logs.values())
     assert len(_events(logs["node0"], "warm_start_zygote_died")) == 1
+    # Every agent forks its first zygote from itself; a replacement is a fresh interpreter.
+    zygotes = {
+        node: [e["forked_from_agent"] for e in _events(path, "warm_start_zygote_started")]
+        for node, path in logs.items()
+    }
+    assert zygotes == {"node0": [True, False], "node1": [True, True]}, zygotes
 
 
 def _forked_zygote(run: Path, node: str) -> psutil.Process | None:

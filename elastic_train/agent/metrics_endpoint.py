@@ -38,6 +38,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from elastic_train import metrics
+from elastic_train.agent.settings import agent_setting
 from elastic_train.errors import ConfigError, MetricsPortsTakenError
 from elastic_train.log import get_logger
 
@@ -49,7 +50,6 @@ __all__ = [
     "PORT_TRIES",
     "MetricsEndpoint",
     "MetricsEndpointConfig",
-    "agent_setting",
 ]
 
 log = get_logger(__name__)
@@ -217,12 +217,6 @@ def _serve_first_free(
             )  # fmt: skip
         return served
     raise AssertionError("not reached: the range holds at least one port")
-
-
-def agent_setting(params: RendezvousParameters, key: str, environ: Mapping[str, str]) -> str | None:
-    """An rdzv-conf key's value, else its ``ELASTIC_TRAIN_<KEY>`` variable, else None."""
-    value = params.config.get(key)
-    return str(value) if value is not None else environ.get(f"ELASTIC_TRAIN_{key.upper()}")
 
 
 class _MetricsServer(ThreadingMixIn, WSGIServer):

@@ -64,14 +64,11 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from elastic_train import metrics
 from elastic_train.agent import verdict, warm_start
-from elastic_train.agent.metrics_endpoint import (
-    MetricsEndpoint,
-    MetricsEndpointConfig,
-    agent_setting,
-)
+from elastic_train.agent.metrics_endpoint import MetricsEndpoint, MetricsEndpointConfig
 from elastic_train.agent.persister import Persister
+from elastic_train.agent.settings import agent_setting
 from elastic_train.agent.worker_entry import WorkerEntry
-from elastic_train.agent.zygote import ZygoteProcess
+from elastic_train.agent.zygote import ZygoteProcess, zygote_entry
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError, MetricsPortsTakenError
 from elastic_train.log import bind_context, get_logger
 from elastic_train.state.persist import SOCKET_ENV as PERSIST_SOCKET_ENV
@@ -107,34 +104,31 @@ class AgentSettings:
 
     def zygote_entry(self, argv: Sequence[str]) -> WorkerEntry | None:
         """The entry a zygote should preload for, or None for no zygote (with the reason logged)."""
-        if self.warm_start is False:
-            log.info("warm_start_disabled", reason="warm_start=0")
-            return None
-        if sys.platform != "linux":
-            if self.warm_start:
-                log.warning("warm_start_unsupported", platform=sys.platform, hint="Linux only")
-            return None
-        entry = WorkerEntry.from_torchrun_argv(argv)
+        entry, reason = zygote_entry(self.warm_start, argv)
         if entry is None:
-            # Not a torchrun agent with a Python entry (tests, the rendezvous
-            # benchmark): no import of torch to pay for, no socket to export.
-            log.info("warm_start_disabled", reason="no Python worker entry on the command line")
-            return None
-        if self.warm_start is None and not entry.is_ours():
-            log.info("warm_start_disabled", reason="auto: the workers do not run our main.py")
-            return None
+            unsupported = self.warm_start and sys.platform != "linux"
+            (log.warning if unsupported else log.info)("warm_start_disabled", reason=reason)
         return entry
 
 
 class NodeAgent:
     """The node's endpoint and zygote, and the timing of its rendezvous rounds."""
 
-    def __init__(self, settings: AgentSettings, *, run_id: str, argv: Sequence[str]) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        run_id: str,
+        argv: Sequence[str],
+        zygote: ZygoteProcess | None = None,
+    ) -> None:
+        """``zygote``: one forked early (:func:`~elastic_train.agent.zygote.fork_early`),
+        released by :meth:`start`; else :meth:`start` spawns one."""
         self._settings = settings
         self._run_id = run_id
         self._entry = settings.zygote_entry(argv)
         self.endpoint: MetricsEndpoint | None = None
-        self.zygote: ZygoteProcess | None = None
+        self.zygote = zygote
         self.persister: Persister | None = None
         self._rounds = 0
         self._config_error_file: Path | None = None
@@ -215,18 +209,37 @@ class NodeAgent:
         return NodeAgentHandler(handler, self)
 
     def _start_zygote(self) -> None:
-        if self._entry is None:
-            return
-        try:
-            self.zygote = ZygoteProcess(self._entry)
-        except OSError as exc:  # a zygote that cannot start only costs speed
-            log.warning("warm_start_unavailable", reason=str(exc))
+        """Release the early zygote, else spawn one; the workers' environment is set by now."""
+        if self.zygote is not None:
+            self._release_early_zygote()
+        if self.zygote is None and self._entry is not None:
+            try:
+                self.zygote = ZygoteProcess(self._entry)
+            except OSError as exc:  # a zygote that cannot start only costs speed
+                log.warning("warm_start_unavailable", reason=str(exc))
+                return
+        if self.zygote is None:
             return
         atexit.register(self.zygote.close)
         os.environ[warm_start.SOCKET_ENV] = str(self.zygote.socket_path)
         log.info(
-            "warm_start_zygote_started", pid=self.zygote.pid, socket=str(self.zygote.socket_path)
-        )
+            "warm_start_zygote_started", pid=self.zygote.pid, socket=str(self.zygote.socket_path),
+            forked_from_agent=self.zygote.forked,
+        )  # fmt: skip
+
+    def _release_early_zygote(self) -> None:
+        zygote, self.zygote = self.zygote, None
+        assert zygote is not None
+        if zygote.entry != self._entry:  # both come from argv and warm_start: never
+            zygote.close()
+            return
+        try:
+            zygote.release(os.environ)
+        except OSError as exc:  # it died while importing: one is spawned instead
+            log.warning("warm_start_zygote_died", pid=zygote.pid, reason=str(exc))
+            zygote.close()
+            return
+        self.zygote = zygote
 
     def _replace_dead_zygote(self) -> None:
         """A zygote that died (a crash, the OOM killer) would turn every later start cold."""

@@ -1,7 +1,8 @@
 """The node's zygote: a process that has imported torch and the trainer, and forks workers.
 
 :class:`ZygoteProcess` (agent side) starts it from the node agent and stops
-it with the agent; :func:`main` is the zygote itself; the launcher side is
+it with the agent; :func:`main` is the zygote itself, its loop
+:class:`~elastic_train.agent.zygote_server.Server`; the launcher side is
 :mod:`elastic_train.agent.warm_start`. One request per worker start:
 
 1. the launcher connects (``SOCK_SEQPACKET``) and sends argv, environment,
@@ -13,6 +14,15 @@ it with the agent; :func:`main` is the zygote itself; the launcher side is
    runs the worker's entry as ``__main__``: the script or ``-m`` module of the
    torchrun command (:class:`~elastic_train.agent.worker_entry.WorkerEntry`);
    the zygote sends the child's wait status to the launcher when it is reaped.
+
+Two ways to start one. The torchrun plugin forks the agent itself
+(:func:`fork_early`) before the agent has a thread, an etcd channel or a
+metrics registry: torchrun has already imported torch there, so the zygote
+only imports the rest, while the agent sets up. A zygote that replaces a dead
+one, or an agent that had a thread already, spawns a fresh interpreter.
+Either way the zygote imports torch first and the trainer only once the agent
+has sent the workers' environment (:meth:`ZygoteProcess.release`):
+prometheus-client reads its multiprocess directory at import.
 
 Either side going away ends the other: the zygote and the child each watch
 the launcher's end of the connection and SIGKILL the child on EOF (the zygote
@@ -28,43 +38,50 @@ import gc
 import importlib
 import json
 import os
-import selectors
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, NoReturn
 
 import psutil
 
 from elastic_train.agent import warm_start
-from elastic_train.agent.adoption import adopt, refusal
 from elastic_train.agent.worker_entry import WorkerEntry
-from elastic_train.log import exit_now, on_exit_now
+from elastic_train.agent.zygote_server import Server
 
-__all__ = ["ZYGOTE_NAME", "ZygoteProcess", "main", "preload", "trainer_processes"]
+__all__ = [
+    "ZYGOTE_NAME",
+    "ZygoteProcess",
+    "fork_early",
+    "main",
+    "preload",
+    "trainer_processes",
+    "zygote_entry",
+]
 
 ZYGOTE_NAME = "et-zygote"
 SOCKET_NAME = "zygote.sock"
 DIRECTORY_PREFIX = "elastic-train-warm-"
-#: seconds a connected launcher has to send its request
-REQUEST_TIMEOUT_S = 10.0
-#: torch._dynamo: the first optimizer construction imports it (about 1.5 s here)
-PRELOADED = (
-    "torch",
-    "torch._dynamo",
-    "torch.distributed",
-    "torch.nn.parallel",
-    "elastic_train.main",
-)
-#: seconds the zygote waits for its SIGKILLed children to be reaped, when its agent is gone
-_KILL_WAIT_S = 1.0
+#: Imported before the agent's release; torch._dynamo: the first optimizer construction
+#: imports it (about 1.5 s here).
+TORCH_PRELOADED = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel")
+#: Imported after it: prometheus-client, which the trainer imports, reads the
+#: multiprocess directory the agent's metrics endpoint makes.
+PRELOADED = (*TORCH_PRELOADED, "elastic_train.main")
+#: Import-time variables the agent sets after an early fork, read by nothing in TORCH_PRELOADED.
+SET_AFTER_FORK = frozenset({"PROMETHEUS_MULTIPROC_DIR"})
+#: Imported in the agent, these could have state a fork must not share (a gRPC
+#: channel; metric values of prometheus-client's in-process kind).
+_UNFORKABLE = frozenset({"grpc", "prometheus_client"})
 #: A socket file younger than this is never taken for a dead zygote's.
 _STALE_AFTER = 60.0
 _BOOT = (
@@ -74,7 +91,13 @@ _BOOT = (
 
 
 class ZygoteProcess:
-    """The agent's handle on its zygote: a private 0700 directory with the socket."""
+    """The agent's handle on its zygote: a private 0700 directory with the socket.
+
+    ``fork=False``: a fresh interpreter with ``environ`` (None: this
+    process's), released at once. ``fork=True``: this process forked (it must
+    have one thread and no gRPC channel: :func:`fork_early`); the agent calls
+    :meth:`release` once its workers' environment is set.
+    """
 
     def __init__(
         self,
@@ -82,8 +105,10 @@ class ZygoteProcess:
         *,
         parent_dir: Path | None = None,
         environ: Mapping[str, str] | None = None,
+        fork: bool = False,
     ) -> None:
         self.entry = entry
+        self.forked = fork
         _remove_stale_directories(Path(parent_dir or tempfile.gettempdir()))
         self.directory = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX, dir=parent_dir))
         self.socket_path = self.directory / SOCKET_NAME
@@ -93,35 +118,45 @@ class ZygoteProcess:
             # while it still imports waits in the backlog instead of starting cold.
             listener.bind(str(self.socket_path))
             listener.listen(64)
-            package_root = str(Path(__file__).resolve().parents[2])
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    _BOOT,
-                    package_root,
-                    str(listener.fileno()),
-                    str(os.getpid()),
-                    str(self.directory),
-                ],
-                pass_fds=(listener.fileno(),),
-                env=environ,  # None: this process's, as the workers' will be
-                stdin=subprocess.PIPE,  # EOF when this process is gone
-                start_new_session=True,  # a terminal's Ctrl-C goes to the agent, not here
+            self.proc: subprocess.Popen[bytes] | _Forked = (
+                _Forked.start(listener, self.directory) if fork else self._spawn(listener, environ)
             )
-            # On the pipe, not argv: the forked workers would show it as their command line.
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps([entry.target, entry.is_module]).encode() + b"\n")
-            self.proc.stdin.flush()
+            if not fork:
+                self.release(os.environ if environ is None else environ)
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
         finally:
             listener.close()
 
+    def _spawn(
+        self, listener: socket.socket, environ: Mapping[str, str] | None
+    ) -> subprocess.Popen[bytes]:
+        package_root = str(Path(__file__).resolve().parents[2])
+        return subprocess.Popen(
+            [
+                sys.executable, "-c", _BOOT, package_root, str(listener.fileno()),
+                str(os.getpid()), str(self.directory),
+            ],
+            pass_fds=(listener.fileno(),),
+            env=environ,  # None: this process's, as the workers' will be
+            stdin=subprocess.PIPE,  # EOF when this process is gone
+            start_new_session=True,  # a terminal's Ctrl-C goes to the agent, not here
+        )  # fmt: skip
+
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def release(self, environ: Mapping[str, str]) -> None:
+        """Send the entry and the workers' environment: the zygote imports the trainer, then serves.
+
+        On the pipe, not argv or the environment: the forked workers would show them.
+        """
+        assert self.proc.stdin is not None
+        message = {"entry": [self.entry.target, self.entry.is_module], "environ": dict(environ)}
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        self.proc.stdin.flush()
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the zygote, which SIGKILLs the workers it forked, and remove the directory.
@@ -138,6 +173,84 @@ class ZygoteProcess:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class _Forked:
+    """What :class:`ZygoteProcess` uses of ``subprocess.Popen``, for a zygote forked
+    from this process: ``stdin`` is the write end of the pipe on its fd 0."""
+
+    def __init__(self, pid: int, stdin: IO[bytes]) -> None:
+        self.pid = pid
+        self.stdin: IO[bytes] | None = stdin
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, listener: socket.socket, directory: Path) -> _Forked:
+        read_end, write_end = os.pipe()
+        agent_pid = os.getpid()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # else the child would write the agent's buffered lines again
+        pid = os.fork()
+        if pid == 0:
+            _forked_zygote(listener, read_end, agent_pid, directory)
+        os.close(read_end)
+        return cls(pid, open(write_end, "wb", buffering=0))
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: gone, status unknown
+                pid, status = self.pid, 255 << 8
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None:
+            pidfd = os.pidfd_open(self.pid)
+            try:
+                if not select.select([pidfd], [], [], timeout)[0]:
+                    raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout or 0.0)
+            finally:
+                os.close(pidfd)
+        code = self.poll()
+        assert code is not None
+        return code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def _forked_zygote(listener: socket.socket, pipe: int, agent_pid: int, directory: Path) -> NoReturn:
+    """The child of ``ZygoteProcess(fork=True)``: made what ``python -c _BOOT`` starts as."""
+    try:
+        os.setsid()  # a terminal's Ctrl-C goes to the agent, not here
+        warm_start.set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != agent_pid:
+            os._exit(0)  # the agent died before the line above
+        os.dup2(pipe, 0)
+        _close_descriptors_but(0, 1, 2, listener.fileno())
+        for sig in warm_start.FORWARDED_SIGNALS:  # whatever the agent had set
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _zygote(listener, directory)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        os._exit(1)  # whatever happened: never back into the agent's code
+
+
+def _close_descriptors_but(*kept: int) -> None:
+    """What ``Popen(close_fds=True)`` does: nothing the agent had open stays open here."""
+    low = 0
+    for fd in (*sorted(kept), os.sysconf("SC_OPEN_MAX")):
+        if low < fd:  # os.closerange(n, n) closes everything from n (close_range(n, ~0))
+            os.closerange(low, fd)
+        low = fd + 1
 
 
 def _remove_stale_directories(parent: Path) -> None:
@@ -186,9 +299,52 @@ def trainer_processes(agent: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def preload() -> None:
+def fork_early(setting: str | None, argv: Sequence[str]) -> ZygoteProcess | None:
+    """The node's zygote, forked from this torchrun agent before it starts anything;
+    None where it cannot be (the reason is logged by the agent later).
+
+    ``setting`` is the ``warm_start`` value (rdzv-conf key, else environment):
+    an invalid one forks nothing here and the agent's settings report it. Call
+    before this process makes a thread, a gRPC channel or a prometheus-client
+    value: a fork keeps none of the first, and the child (and every worker it
+    forks) would share the others' state.
+    """
+    try:
+        enabled = warm_start.parse_warm_start(setting) if _is_set(setting) else None
+    except ValueError:
+        return None
+    entry, _ = zygote_entry(enabled, argv)
+    if entry is None or threading.active_count() != 1 or _UNFORKABLE & sys.modules.keys():
+        return None
+    try:
+        return ZygoteProcess(entry, fork=True)
+    except OSError:
+        return None  # the agent spawns one instead
+
+
+def _is_set(setting: str | None) -> bool:
+    return setting is not None and setting.strip().lower() != "auto"
+
+
+def zygote_entry(enabled: bool | None, argv: Sequence[str]) -> tuple[WorkerEntry | None, str]:
+    """The entry a zygote should preload for, or None and why not; ``enabled=None`` is auto."""
+    if enabled is False:
+        return None, "warm_start=0"
+    if sys.platform != "linux":
+        return None, f"Linux only, this is {sys.platform}"
+    entry = WorkerEntry.from_torchrun_argv(argv)
+    if entry is None:
+        # Not a torchrun agent with a Python entry (tests, the rendezvous
+        # benchmark): no import of torch to pay for, no socket to export.
+        return None, "no Python worker entry on the command line"
+    if enabled is None and not entry.is_ours():
+        return None, "auto: the workers do not run our main.py"
+    return entry, ""
+
+
+def preload(names: Iterable[str] = PRELOADED) -> None:
     """Import what every worker imports, without starting threads or touching CUDA."""
-    for name in PRELOADED:
+    for name in names:
         importlib.import_module(name)
 
 
@@ -199,12 +355,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     warm_start.set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != int(agent_pid):
         os._exit(0)  # the agent died before the line above
-    entry = _read_entry()
+    _zygote(socket.socket(fileno=int(fd)), Path(directory))
+
+
+def _zygote(listener: socket.socket, directory: Path) -> NoReturn:
+    """Import torch, wait for the release, import the trainer, serve until the agent goes."""
     warm_start.set_process_name(ZYGOTE_NAME)
-    listener = socket.socket(fileno=int(fd))
     # Before the imports, some of which set variables of their own (torch's inductor).
-    startup_env = warm_start.import_time_environ(os.environ)
-    preload()
+    imported_with = warm_start.import_time_environ(os.environ)
+    preload(TORCH_PRELOADED)
+    entry, environ = _read_release()
+    startup_env = warm_start.import_time_environ(environ)
+    changed = sorted(
+        name
+        for name in imported_with.keys() | startup_env.keys()
+        if name not in SET_AFTER_FORK and imported_with.get(name) != startup_env.get(name)
+    )
+    if changed:
+        print(
+            f"elastic_train zygote: the agent changed {changed} after torch was imported "
+            "here; this zygote exits and the workers start cold",
+            file=sys.stderr,
+        )
+        os._exit(0)
+    os.environ.update(environ)
+    preload(PRELOADED[len(TORCH_PRELOADED) :])
     # Objects that exist now are never collected, so a collection in a child does
     # not write to (and copy) the pages it shares with the zygote.
     gc.freeze()
@@ -212,147 +387,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     # (forked, they have no parent-death signal, and may have lost their launchers'
     # watch while stopped) and remove the socket directory.
     warm_start.set_parent_death_signal(0)
-    server = _Server(listener, startup_env, entry)
+    server = Server(listener, startup_env, entry)
     server.serve()
     server.kill_children()
     shutil.rmtree(directory, ignore_errors=True)
     os._exit(0)  # nothing to finalize; torch's teardown would only delay the agent's exit
 
 
-def _read_entry() -> WorkerEntry:
-    """The worker entry, the first line the agent writes to our stdin (unbuffered:
-    the same descriptor later tells us the agent is gone)."""
+def _read_release() -> tuple[WorkerEntry, dict[str, str]]:
+    """The agent's release, the first line it writes to our stdin (unbuffered: the
+    same descriptor later tells us the agent is gone)."""
     line = b""
     while not line.endswith(b"\n"):
-        chunk = os.read(0, 4096)
+        chunk = os.read(0, 1 << 16)
         if not chunk:
             os._exit(0)  # the agent is gone already
         line += chunk
-    target, is_module = json.loads(line)
-    return WorkerEntry(target, is_module=is_module)
-
-
-@dataclass
-class _Child:
-    pid: int
-    pidfd: int
-    conn: socket.socket
-
-
-class _Server:
-    def __init__(
-        self, listener: socket.socket, startup_env: dict[str, str], entry: WorkerEntry
-    ) -> None:
-        self._listener = listener
-        self._entry = entry
-        self._entry_file = entry.file()
-        self._startup_env = startup_env
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(listener, selectors.EVENT_READ, "accept")
-        self._selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "agent")
-        self._children: dict[int, _Child] = {}
-
-    def serve(self) -> None:
-        while True:
-            for key, _ in self._selector.select():
-                kind = key.data if isinstance(key.data, str) else key.data[0]
-                if kind == "agent" and not os.read(key.fd, 4096):
-                    return  # the agent is gone
-                if kind == "accept":
-                    self._accept()
-                elif kind == "launcher":
-                    self._launcher_event(key.data[1])
-                elif kind == "exited":
-                    self._reap(key.data[1])
-
-    def _accept(self) -> None:
-        conn, _ = self._listener.accept()
-        fds: list[int] = []
-        try:
-            conn.settimeout(REQUEST_TIMEOUT_S)
-            message, fds, flags, _ = socket.recv_fds(conn, warm_start.MAX_MESSAGE_BYTES, 3)
-            if message:  # else the launcher gave up before we got to it
-                truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
-                request = json.loads(message)
-                problem = refusal(
-                    request, fds, self._startup_env, self._entry_file, truncated=truncated
-                )
-                if problem is None:
-                    conn.settimeout(None)
-                    self._fork(request, conn, fds)
-                    return  # the connection is the child's now
-                conn.send(json.dumps({"declined": problem}).encode())
-        except (OSError, ValueError) as exc:
-            print(f"elastic_train zygote: a request failed: {exc!r}", file=sys.stderr)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        conn.close()
-
-    def _fork(self, request: dict[str, Any], conn: socket.socket, fds: list[int]) -> _Child:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()  # nothing of ours may surface in the worker's output
-        pid = os.fork()
-        if pid == 0:
-            try:
-                self._close_in_child()
-                adopt(request, conn, fds)
-            except BaseException as exc:
-                # Nothing of the worker has run: the launcher starts it cold instead.
-                reason = {"fallback": f"the forked child could not take over: {exc!r}"}
-                with contextlib.suppress(OSError):
-                    conn.send(json.dumps(reason).encode())
-                os._exit(1)
-            # For the launcher, should this zygote be gone; also when the entry
-            # ends itself with exit_now (main.py does).
-            on_exit_now(lambda code: conn.send(json.dumps({"exit_code": code}).encode()))
-            exit_now(self._entry.run())
-        child = _Child(pid=pid, pidfd=os.pidfd_open(pid), conn=conn)
-        self._children[pid] = child
-        self._selector.register(child.pidfd, selectors.EVENT_READ, ("exited", child))
-        self._selector.register(conn, selectors.EVENT_READ, ("launcher", child))
-        with contextlib.suppress(OSError):  # a launcher gone meanwhile: its EOF ends the child
-            conn.send(json.dumps({"pid": pid}).encode())
-        return child
-
-    def kill_children(self) -> None:
-        """SIGKILL every child still running and reap them (bounded: one may be stuck in I/O)."""
-        for child in self._children.values():
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
-        exits = selectors.DefaultSelector()  # ours holds EOFs that stay readable
-        for child in self._children.values():
-            exits.register(child.pidfd, selectors.EVENT_READ, child)
-        deadline = time.monotonic() + _KILL_WAIT_S
-        while self._children and (left := deadline - time.monotonic()) > 0:
-            for key, _ in exits.select(left):
-                exits.unregister(key.fd)
-                self._reap(key.data)
-        exits.close()
-
-    def _launcher_event(self, child: _Child) -> None:
-        """The launcher sends nothing after its request: readable means it is gone."""
-        with contextlib.suppress(OSError):
-            if child.conn.recv(1):
-                return
-        self._selector.unregister(child.conn)
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
-
-    def _reap(self, child: _Child) -> None:
-        _, status = os.waitpid(child.pid, 0)
-        with contextlib.suppress(OSError):
-            child.conn.send(json.dumps({"status": status}).encode())
-        self._selector.unregister(child.pidfd)
-        with contextlib.suppress(KeyError):
-            self._selector.unregister(child.conn)
-        os.close(child.pidfd)
-        child.conn.close()
-        del self._children[child.pid]
-
-    def _close_in_child(self) -> None:
-        self._selector.close()
-        self._listener.close()
-        for other in self._children.values():
-            os.close(other.pidfd)
-            other.conn.close()
+    message = json.loads(line)
+    target, is_module = message["entry"]
+    return WorkerEntry(target, is_module=is_module), message["environ"]

@@ -1,0 +1,134 @@
+"""The zygote forked from the torchrun agent itself (``zygote.fork_early``): real processes.
+
+A stand-in agent imports what torchrun has imported when it creates the
+rendezvous handler, forks its zygote, releases it with its workers'
+environment, and serves a real worker through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from test_warm_start import MAIN, _env, _events, _launch
+
+from elastic_train.agent.zygote import ZYGOTE_NAME
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the zygote is Linux only")
+
+#: argv[1]: "plain", "thread" (a thread runs when the agent forks) or "changed" (the
+#: agent changes an import-time variable after the fork); argv[2]: a file it keeps open.
+AGENT = """
+import json, os, sys, threading, time
+import torch, torch.distributed.run  # what torchrun has imported when it creates the handler
+from elastic_train.agent.zygote import fork_early
+mode, kept = sys.argv[1], open(sys.argv[2])
+if mode == "thread":
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+zygote = fork_early(None, ["torchrun", MAIN])
+print(json.dumps({"zygote": zygote and zygote.pid}), flush=True)
+if zygote is not None:
+    env = dict(os.environ, OMP_NUM_THREADS="3") if mode == "changed" else os.environ
+    zygote.release(env)
+    print(json.dumps({"socket": str(zygote.socket_path)}), flush=True)
+    sys.stdin.readline()  # until the test is done
+    zygote.close()
+"""
+
+
+@pytest.fixture
+def agent(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[subprocess.Popen, dict]]:
+    kept = tmp_path / "agents-file"
+    kept.write_text("")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT.replace("MAIN", repr(str(MAIN))), request.param, str(kept)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(None),  # a launcher's environment, as an agent's zygote has it
+    )  # fmt: skip
+    assert proc.stdout is not None
+    facts = json.loads(proc.stdout.readline() or "{}")
+    if facts.get("zygote"):
+        facts |= json.loads(proc.stdout.readline())
+    facts["kept"] = str(kept)
+    try:
+        yield proc, facts
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _named_zygote(pid: int) -> psutil.Process:
+    """The forked child once it calls itself the zygote (its first act)."""
+    zygote, deadline = psutil.Process(pid), time.monotonic() + 30
+    while zygote.name() != ZYGOTE_NAME:
+        assert time.monotonic() < deadline, zygote.name()
+        time.sleep(0.01)
+    return zygote
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["plain"], indirect=True)
+def test_a_zygote_forked_from_the_agent_holds_nothing_of_it_and_trains_like_a_cold_start(
+    agent: tuple[subprocess.Popen, dict], tmp_path: Path
+) -> None:
+    proc, facts = agent
+    zygote = _named_zygote(facts["zygote"])
+    assert zygote.ppid() == proc.pid
+    assert zygote.pid != proc.pid and os.getsid(zygote.pid) == zygote.pid  # its own session
+    assert facts["kept"] not in [f.path for f in zygote.open_files()]
+    warm = _launch(facts["socket"], tmp_path / "warm", "training.steps=6")
+    cold = _launch(None, tmp_path / "cold", "training.steps=6")
+    assert (warm.wait(120), cold.wait(120)) == (0, 0)
+    (forked,) = _events(tmp_path / "warm.err", "warm_start_forked")
+    assert forked["launcher_pid"] == warm.pid
+    # The child that trained is the forked zygote's, not the launcher.
+    (trainer_file,) = (tmp_path / "warm" / "audit").glob("worker-*.jsonl")
+    assert trainer_file.stem != f"worker-node0-{warm.pid}"
+    params = [
+        torch.load(tmp_path / run / "audit" / "final_params.pt", weights_only=True)
+        for run in ("warm", "cold")
+    ]
+    for name in params[0]:
+        assert torch.equal(params[0][name], params[1][name]), name
+    assert proc.poll() is None, "the agent itself must go on"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["changed"], indirect=True)
+def test_a_zygote_whose_agent_changed_an_import_time_variable_exits_and_workers_start_cold(
+    agent: tuple[subprocess.Popen, dict], tmp_path: Path
+) -> None:
+    """torch was imported here under the agent's old OMP_NUM_THREADS: no worker may
+    be forked from it, and the agent goes on."""
+    proc, facts = agent
+    zygote, deadline = psutil.Process(facts["zygote"]), time.monotonic() + 60
+    # A zombie until the agent reaps it; the agent reads its stdin meanwhile.
+    while zygote.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the zygote still runs"
+        time.sleep(0.02)
+    assert proc.poll() is None
+    worker = _launch(facts["socket"], tmp_path / "run", "training.steps=2")
+    assert worker.wait(120) == 0
+    assert not _events(tmp_path / "run.err", "warm_start_forked")
+    assert _events(tmp_path / "run.err", "warm_start_unavailable")
+    proc.stdin.close()
+    assert proc.wait(30) == 0
+    assert "the agent changed ['OMP_NUM_THREADS'] after torch was imported" in proc.stderr.read()
+
+
+@pytest.mark.parametrize("agent", ["thread"], indirect=True)
+def test_an_agent_with_a_thread_forks_no_zygote(agent: tuple[subprocess.Popen, dict]) -> None:
+    """A fork keeps only the calling thread: the node agent spawns a zygote instead."""
+    proc, facts = agent
+    assert facts["zygote"] is None
+    assert proc.wait(30) == 0
