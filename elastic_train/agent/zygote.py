@@ -189,7 +189,8 @@ class _Forked:
         read_end, write_end = os.pipe()
         agent_pid = os.getpid()
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()  # else the child would write the agent's buffered lines again
+            with contextlib.suppress(ValueError, OSError):  # closed: nothing buffered
+                stream.flush()  # else the child would write the agent's buffered lines again
         pid = os.fork()
         if pid == 0:
             _forked_zygote(listener, read_end, agent_pid, directory)
