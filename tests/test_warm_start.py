@@ -200,9 +200,12 @@ def test_a_forked_worker_trains_exactly_like_a_cold_start(
     (fallback,) = _events(tmp_path / "cold.err", "warm_start_unavailable")
     assert "ConnectionRefusedError" in fallback["reason"]
     assert not _events(tmp_path / "cold.err", "warm_start_forked")
+    assert_same_final_params(tmp_path / "warm", tmp_path / "cold")
+
+
+def assert_same_final_params(warm: Path, cold: Path) -> None:
     params = [
-        torch.load(tmp_path / run / "audit" / "final_params.pt", weights_only=True)
-        for run in ("warm", "cold")
+        torch.load(run / "audit" / "final_params.pt", weights_only=True) for run in (warm, cold)
     ]
     assert params[0].keys() == params[1].keys()
     for name in params[0]:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from test_warm_start import MAIN, _env, _events, _launch
+from test_warm_start import MAIN, _env, _events, _launch, assert_same_final_params
 
 from elastic_train.agent.zygote import ZYGOTE_NAME
 
@@ -94,12 +93,7 @@ def test_a_zygote_forked_from_the_agent_holds_nothing_of_it_and_trains_like_a_co
     # The child that trained is the forked zygote's, not the launcher.
     (trainer_file,) = (tmp_path / "warm" / "audit").glob("worker-*.jsonl")
     assert trainer_file.stem != f"worker-node0-{warm.pid}"
-    params = [
-        torch.load(tmp_path / run / "audit" / "final_params.pt", weights_only=True)
-        for run in ("warm", "cold")
-    ]
-    for name in params[0]:
-        assert torch.equal(params[0][name], params[1][name]), name
+    assert_same_final_params(tmp_path / "warm", tmp_path / "cold")
     assert proc.poll() is None, "the agent itself must go on"
 
 

@@ -93,13 +93,10 @@ class AgentSettings:
         cls, params: RendezvousParameters, environ: Mapping[str, str] = os.environ
     ) -> AgentSettings:
         """Parse the agent's rdzv-conf keys; :class:`ConfigError` names a bad one."""
-        text = agent_setting(params, "warm_start", environ)
-        enabled = None
-        if text is not None and text.strip().lower() != "auto":
-            try:
-                enabled = warm_start.parse_warm_start(text)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from exc
+        try:
+            enabled = warm_start.parse_warm_start(agent_setting(params, "warm_start", environ))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         return cls(metrics=MetricsEndpointConfig.from_params(params, environ), warm_start=enabled)
 
     def zygote_entry(self, argv: Sequence[str]) -> WorkerEntry | None:
@@ -230,9 +227,6 @@ class NodeAgent:
     def _release_early_zygote(self) -> None:
         zygote, self.zygote = self.zygote, None
         assert zygote is not None
-        if zygote.entry != self._entry:  # both come from argv and warm_start: never
-            zygote.close()
-            return
         try:
             zygote.release(os.environ)
         except OSError as exc:  # it died while importing: one is spawned instead

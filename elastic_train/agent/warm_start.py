@@ -81,12 +81,15 @@ class WarmStartUnavailable(Exception):
     """The zygote cannot take this worker; the message says why."""
 
 
-def parse_warm_start(text: str) -> bool:
-    """The ``warm_start`` rdzv-conf value; ``ValueError`` names the key and accepted values."""
+def parse_warm_start(text: str | None) -> bool | None:
+    """The ``warm_start`` rdzv-conf value, None for ``auto`` or unset; ``ValueError``
+    names the key and accepted values."""
+    if text is None or str(text).strip().lower() == "auto":
+        return None
     value = _BOOLEANS.get(str(text).strip().lower())
     if value is None:
         raise ValueError(
-            f"warm_start={text!r} is invalid: expected one of 1, 0, true, false, on, off"
+            f"warm_start={text!r} is invalid: expected one of 1, 0, true, false, on, off, auto"
         )
     return value
 

@@ -311,7 +311,7 @@ def fork_early(setting: str | None, argv: Sequence[str]) -> ZygoteProcess | None
     forks) would share the others' state.
     """
     try:
-        enabled = warm_start.parse_warm_start(setting) if _is_set(setting) else None
+        enabled = warm_start.parse_warm_start(setting)
     except ValueError:
         return None
     entry, _ = zygote_entry(enabled, argv)
@@ -321,10 +321,6 @@ def fork_early(setting: str | None, argv: Sequence[str]) -> ZygoteProcess | None
         return ZygoteProcess(entry, fork=True)
     except OSError:
         return None  # the agent spawns one instead
-
-
-def _is_set(setting: str | None) -> bool:
-    return setting is not None and setting.strip().lower() != "auto"
 
 
 def zygote_entry(enabled: bool | None, argv: Sequence[str]) -> tuple[WorkerEntry | None, str]:
