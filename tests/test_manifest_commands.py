@@ -269,16 +269,15 @@ def _steps_done(audit_dir: Path) -> int:
 
 
 def _signal_step(root: psutil.Process, sig: int) -> int:
-    """Signal every process of the "job step" but srun and etcd, as slurmstepd does."""
+    """Signal every process of the "job step" but srun and etcd, as slurmstepd does:
+    torchrun, the zygote and the workers it forked, the data loaders; how many."""
     hit = 0
     for proc in proctree.descendants(root):
         with contextlib.suppress(psutil.NoSuchProcess):
-            cmdline = proc.cmdline()
-            if Path(cmdline[0]).name in ("bash", "sh"):  # the batch script, srun
+            if Path(proc.cmdline()[0]).name in ("bash", "sh", "etcd"):  # the batch script, srun
                 continue
-            if any(arg.endswith(("torchrun", "elastic_train/main.py")) for arg in cmdline):
-                proc.send_signal(sig)
-                hit += 1
+            proc.send_signal(sig)
+            hit += 1
     return hit
 
 

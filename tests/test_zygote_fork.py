@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,15 +24,17 @@ from elastic_train.agent.zygote import ZYGOTE_NAME
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the zygote is Linux only")
 
-#: argv[1]: "plain", "thread" (a thread runs when the agent forks) or "changed" (the
-#: agent changes an import-time variable after the fork); argv[2]: a file it keeps open.
+#: argv[1]: "plain", "thread" (a thread runs when the agent forks), "changed" (the
+#: agent changes an import-time variable after the fork) or "usr1-ignored" (started
+#: as deploy/slurm/train.sbatch starts torchrun); argv[2]: a file it keeps open.
 AGENT = """
-import json, os, sys, threading, time
+import json, os, signal, sys, threading, time
 import torch, torch.distributed.run  # what torchrun has imported when it creates the handler
 from elastic_train.agent.zygote import fork_early
 mode, kept = sys.argv[1], open(sys.argv[2])
 if mode == "thread":
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+signal.signal(signal.SIGUSR2, lambda *_: None)  # a handler of the agent's: not the zygote's
 zygote = fork_early(None, ["torchrun", MAIN])
 print(json.dumps({"zygote": zygote and zygote.pid}), flush=True)
 if zygote is not None:
@@ -49,8 +52,11 @@ def agent(
 ) -> Iterator[tuple[subprocess.Popen, dict]]:
     kept = tmp_path / "agents-file"
     kept.write_text("")
+    python = [sys.executable, "-c", AGENT.replace("MAIN", repr(str(MAIN)))]
+    if request.param == "usr1-ignored":  # an ignored signal stays ignored across exec
+        python = ["bash", "-c", 'trap "" USR1; exec "$@"', "bash", *python]
     proc = subprocess.Popen(
-        [sys.executable, "-c", AGENT.replace("MAIN", repr(str(MAIN))), request.param, str(kept)],
+        [*python, request.param, str(kept)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=_env(None),  # a launcher's environment, as an agent's zygote has it
     )  # fmt: skip
@@ -64,6 +70,14 @@ def agent(
     finally:
         proc.kill()
         proc.wait()
+
+
+def _ignored(pid: int) -> set[signal.Signals]:
+    """The signals ``pid`` ignores (the ``SigIgn`` mask of /proc/PID/status)."""
+    (line,) = [x for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if x.startswith("SigIgn:")]  # fmt: skip
+    mask = int(line.split()[1], 16)
+    return {sig for sig in signal.Signals if mask >> (sig - 1) & 1}
 
 
 def _named_zygote(pid: int) -> psutil.Process:
@@ -85,6 +99,9 @@ def test_a_zygote_forked_from_the_agent_holds_nothing_of_it_and_trains_like_a_co
     assert zygote.ppid() == proc.pid
     assert zygote.pid != proc.pid and os.getsid(zygote.pid) == zygote.pid  # its own session
     assert facts["kept"] not in [f.path for f in zygote.open_files()]
+    # The agent's SIGUSR2 handler is gone, as across an exec; nothing is ignored.
+    assert signal.SIGUSR1 not in _ignored(zygote.pid)
+    assert signal.SIGUSR2 not in _ignored(zygote.pid)
     warm = _launch(facts["socket"], tmp_path / "warm", "training.steps=6")
     cold = _launch(None, tmp_path / "cold", "training.steps=6")
     assert (warm.wait(120), cold.wait(120)) == (0, 0)
@@ -95,6 +112,24 @@ def test_a_zygote_forked_from_the_agent_holds_nothing_of_it_and_trains_like_a_co
     assert trainer_file.stem != f"worker-node0-{warm.pid}"
     assert_same_final_params(tmp_path / "warm", tmp_path / "cold")
     assert proc.poll() is None, "the agent itself must go on"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["usr1-ignored"], indirect=True)
+def test_a_forked_zygote_ignores_what_its_agent_ignores_and_survives_slurms_signal(
+    agent: tuple[subprocess.Popen, dict], tmp_path: Path
+) -> None:
+    """Slurm's ``--signal=USR1@90`` reaches every process of the step, the zygote
+    included: it must outlive the notice and serve the next worker warm."""
+    proc, facts = agent
+    zygote = _named_zygote(facts["zygote"])
+    assert signal.SIGUSR1 in _ignored(proc.pid)
+    assert signal.SIGUSR1 in _ignored(zygote.pid)
+    zygote.send_signal(signal.SIGUSR1)
+    worker = _launch(facts["socket"], tmp_path / "run", "training.steps=2")
+    assert worker.wait(120) == 0
+    assert _events(tmp_path / "run.err", "warm_start_forked"), "the zygote died of SIGUSR1"
+    assert zygote.status() != psutil.STATUS_ZOMBIE
 
 
 @pytest.mark.slow

@@ -234,15 +234,24 @@ def _forked_zygote(listener: socket.socket, pipe: int, agent_pid: int, directory
             os._exit(0)  # the agent died before the line above
         os.dup2(pipe, 0)
         _close_descriptors_but(0, 1, 2, listener.fileno())
-        for sig in warm_start.FORWARDED_SIGNALS:  # whatever the agent had set
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _reset_signals_as_exec_does()
         _zygote(listener, directory)
     except BaseException:
         with contextlib.suppress(BaseException):
             traceback.print_exc()
     finally:
         os._exit(1)  # whatever happened: never back into the agent's code
+
+
+def _reset_signals_as_exec_does() -> None:
+    """The agent's handlers go; what it ignores stays ignored, as across the exec of a
+    spawned zygote: Slurm's ``--signal=USR1`` reaches every process of the step, and
+    ``deploy/slurm/train.sbatch`` starts torchrun with SIGUSR1 ignored for that."""
+    for sig in warm_start.FORWARDED_SIGNALS:
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:  # what Python's start-up does
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _close_descriptors_but(*kept: int) -> None:
