@@ -16,9 +16,10 @@ adaptive cadence is ours against ``ours-no-snapshot``, pair by pair:
 What the disk checkpoints cost (saves every 25 steps against none during the
 window): ``--competitors ours,c10d-tuned,ours-no-checkpoint``.
 
-The node agent writing them instead of a thread of rank 0
-(``checkpoint.writer = "agent"``), against plain DDP and the trainer writer,
-pair by pair: ``--competitors ours-agent-writer,c10d-tuned,ours``.
+The node agent writing them (``checkpoint.writer = "agent"``, what the default
+``"auto"`` picks under torchrun) against a thread of rank 0 and plain DDP, pair
+by pair: ``--competitors ours-agent-writer,c10d-tuned,ours-trainer-writer``;
+``--nodes 1`` leaves the node a core that no worker uses.
 What in-process recovery (the default) costs while nothing fails, against the
 restart path: ``--competitors ours,ours-restart,c10d-tuned``. What the fused
 AdamW kernel (``optimizer.implementation = "auto"``) gains over torch's CPU
@@ -44,8 +45,10 @@ VARIANTS = {
     "ours-snapshot-every-step": ("--elastic.snapshot_every_steps=1",),
     "ours-no-snapshot": ("--elastic.snapshot=false",),
     "ours-no-checkpoint": ("--checkpoint.interval_steps=0",),
-    # The disk checkpoint written by the node agent from the snapshot (#20 item 4).
+    # The disk checkpoint written by the node agent from the snapshot (#20 item 4); since
+    # 2026-11-29 what ours' default ("auto") picks under torchrun. The trainer's thread:
     "ours-agent-writer": ("--checkpoint.writer=agent",),
+    "ours-trainer-writer": ("--checkpoint.writer=trainer",),
     # The restart path: what in-process recovery (the default) costs while nothing fails.
     "ours-restart": ("--elastic.recovery=restart",),
     # torch's per-tensor AdamW loop on CPU instead of the fused kernel that ours picks.
@@ -56,19 +59,25 @@ TARGET_RATIO = 0.99
 
 
 def two_nodes(
-    comp: Competitor, workdir: Path, *, steps: int, shape: dict[str, int] | None = None
+    comp: Competitor,
+    workdir: Path,
+    *,
+    steps: int,
+    shape: dict[str, int] | None = None,
+    nodes: int = 2,
 ) -> BenchCluster:
-    """The fault-free 2-node run of ``comp`` (a variant's settings applied), not started;
-    ``shape``: Workload fields (``hidden_size``, ``global_batch_size``) other than the default."""
+    """The fault-free run of ``comp`` (a variant's settings applied) on ``nodes`` nodes
+    (2 unless said), not started; ``shape``: Workload fields (``hidden_size``,
+    ``global_batch_size``) other than the default."""
     shape = shape or {}
-    # The plain script runs each rank's half of the batch at once; ours splits it
+    # The plain script runs each rank's share of the batch at once; ours splits it
     # into micro-batches of training.micro_batch_size (32), which is one at the
     # default batch of 64: the same math needs one micro-batch per rank.
-    whole = shape.get("global_batch_size", Workload.global_batch_size) // 2
+    whole = shape.get("global_batch_size", Workload.global_batch_size) // nodes
     # The optimizer recipe needs no override: the plain script runs ours (plain_ddp.py).
     overrides = (f"--training.micro_batch_size={whole}", *VARIANTS.get(comp.name, ()))
     workload = Workload(steps=steps, ours_overrides=overrides, **shape)
-    return BenchCluster(comp, workload, workdir, nodes=2, min_nodes=2, max_nodes=2)
+    return BenchCluster(comp, workload, workdir, nodes=nodes, min_nodes=nodes, max_nodes=nodes)
 
 
 def measure(
@@ -79,15 +88,21 @@ def measure(
     window_steps: int,
     timeout: float,
     shape: dict[str, int] | None = None,
+    nodes: int = 2,
 ) -> dict[str, Any]:
-    with two_nodes(comp, workdir, steps=warmup_steps + window_steps, shape=shape) as cluster:
-        cluster.wait_step(warmup_steps + window_steps, world_size=2, timeout=timeout)
-    return window_rates(cluster, warmup_steps=warmup_steps, window_steps=window_steps)
+    steps = warmup_steps + window_steps
+    with two_nodes(comp, workdir, steps=steps, shape=shape, nodes=nodes) as cluster:
+        cluster.wait_step(steps, world_size=nodes, timeout=timeout)
+    return window_rates(
+        cluster, warmup_steps=warmup_steps, window_steps=window_steps, world_size=nodes
+    )
 
 
-def window_rates(cluster: BenchCluster, *, warmup_steps: int, window_steps: int) -> dict[str, Any]:
+def window_rates(
+    cluster: BenchCluster, *, warmup_steps: int, window_steps: int, world_size: int = 2
+) -> dict[str, Any]:
     """Samples/s and steps/s of a fault-free run over the steps after the warm-up."""
-    steps = cluster.steps(world_size=2)
+    steps = cluster.steps(world_size=world_size)
     attempts = {r.attempt for r in steps}
     if len(attempts) != 1:
         raise RuntimeError(f"a fault-free run restarted: {len(attempts)} attempts")
@@ -166,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
                              "1024 is a compute-bound step of ~0.1 s)")  # fmt: skip
     parser.add_argument("--global-batch-size", type=int, default=Workload.global_batch_size)
     parser.add_argument("--window-steps", type=int, default=3000)
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=2,
+                        help="1: one worker, which leaves the node a core no worker uses "
+                             "(for the agent's checkpoint writer, as on a GPU node)")  # fmt: skip
     args = parser.parse_args(argv)
     # About 10 s of window: on the 2-core box a 2 s window spread the ratio by
     # +-0.15 between runs, and a 10 s one still by about +-0.1 (the two workers
@@ -182,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
                  "global_batch_size": Workload.global_batch_size}:  # fmt: skip
         kwargs["shape"] = shape
         name = f"throughput_h{args.hidden_size}_b{args.global_batch_size}"
+    if args.nodes != 2:
+        kwargs["nodes"] = args.nodes
+        name = f"{name}_{args.nodes}node"
     harness.run_benchmark(
         "throughput_smoke" if args.smoke else name,
         args,

@@ -25,11 +25,16 @@ import torch
 from structlog.testing import capture_logs
 
 from elastic_train.agent.persister import PERSIST_NICE
+from elastic_train.config.load import load_config
 from elastic_train.errors import CheckpointWriteError, SnapshotError
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.state.checkpoint_files import MANIFEST, SLOT_FILE, SLOT_FORMAT
+from elastic_train.state.persist import SOCKET_ENV as PERSIST_SOCKET_ENV
 from elastic_train.state.persist import AgentCheckpointManager, PersistStatus
 from elastic_train.state.snapshot import SnapshotStore
+from elastic_train.training import fsdp
+from elastic_train.training.distributed import DistContext, WorkerEnv
+from elastic_train.training.fsdp import open_checkpoints
 from elastic_train.training.state_sync import NodeSnapshots, SnapshotCadence
 
 FINGERPRINT = "fp-agent-persist"
@@ -317,3 +322,76 @@ def test_a_snapshot_the_agent_cannot_read_makes_the_trainer_write(shm: Path) -> 
         trainer.close()
         log = agent.stop()
     assert "checkpoint_persist_no_snapshot" in log
+
+
+@pytest.mark.parametrize(
+    ("writer", "agent_there", "agent_writes", "fallback_logged"),
+    [
+        ("auto", True, True, False),  # torchrun with our rendezvous: the default's choice
+        ("auto", False, False, False),  # python main.py: the trainer, without a word
+        ("agent", True, True, False),
+        ("agent", False, False, True),  # asked for and unavailable: said once
+        ("trainer", True, False, False),
+    ],
+)
+def test_checkpoint_writer_setting_picks_who_writes(
+    writer: str, agent_there: bool, agent_writes: bool, fallback_logged: bool,
+    shm: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    cfg = load_config(None, [f"checkpoint.writer={writer}", f"checkpoint.dir={shm / 'ckpt'}"])
+    if agent_there:  # what the node agent exports to its workers (its socket's path)
+        monkeypatch.setenv(PERSIST_SOCKET_ENV, str(shm / "agent.sock"))
+    else:
+        monkeypatch.delenv(PERSIST_SOCKET_ENV, raising=False)
+    ctx = DistContext(WorkerEnv(launched=True), "gloo", torch.device("cpu"))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture_logs() as logs:
+        manager = open_checkpoints(cfg, ctx, fingerprint=FINGERPRINT, model=model,
+                                   optimizer=optimizer)  # fmt: skip
+    fsdp._AWAITING_SNAPSHOTS.pop(id(ctx.env), None)  # node_snapshots() is not called here
+    assert manager is not None
+    try:
+        assert isinstance(manager, AgentCheckpointManager) is agent_writes
+        events = [e["event"] for e in logs]
+        assert ("checkpoint_writer_fallback" in events) is fallback_logged
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize(("chosen", "level"), [(True, "warning"), (False, "info")])
+def test_a_node_without_snapshots_falls_back_loudly_only_when_agent_was_asked_for(
+    chosen: bool, level: str, shm: Path
+) -> None:
+    """``elastic.snapshot = false`` under torchrun: with ``writer = "agent"`` the
+    fallback is a warning, with the default ``"auto"`` an info line."""
+    manager = AgentCheckpointManager(
+        shm / "ckpt", keep=2, fingerprint=FINGERPRINT, async_save=True, is_writer=True,
+        socket_path=str(shm / "agent.sock"), chosen=chosen,
+    )  # fmt: skip
+    with capture_logs() as logs:
+        manager.save(1, {"w": torch.ones(3), "step": 1})
+        manager.close()
+    (fallback,) = [e for e in logs if e["event"] == "checkpoint_writer_fallback"]
+    assert fallback["log_level"] == level
+    assert reader(shm).loadable_steps(limit=5) == [1]
+
+
+def test_a_blocking_save_removes_what_a_killed_agent_left(shm: Path) -> None:
+    """With this writer no worker removes temporaries at its start (the agent may be
+    writing); rank 0's blocking save does, once its agent has handled every request."""
+    agent = Agent(shm / "agent")
+    trainer = Trainer(shm, agent, numel=1000)
+    try:
+        trainer.checkpoint.save(1, trainer.step(1))
+        trainer.checkpoint.flush()  # the agent has written, and removed what it found then
+        partial = shm / "ckpt" / ".tmp-step-000000002-0badc0de"
+        partial.mkdir()
+        (partial / SLOT_FILE).write_bytes(b"half a slot")  # an agent SIGKILLed mid-write
+        trainer.checkpoint.save(3, trainer.step(3), blocking=True)
+        assert not partial.exists()
+        assert reader(shm).loadable_steps(limit=5) == [3, 1]
+        assert_whole(reader(shm), 3)
+    finally:
+        trainer.close()
+        agent.stop()

@@ -228,6 +228,10 @@ def test_a_kill_during_a_save_keeps_the_last_good_checkpoint(
     assert recovery["lost_steps"] <= 1, recovery
     # The partial never counts: nothing was restored from a disk save of its step.
     assert not (recovery["restore_source"] == "disk" and recovery["restored_step"] == interrupted)
+    # The new rank 0's node agent writes from then on: the re-form gave the new
+    # checkpoint manager the node's snapshots (it used to fall back to the trainer).
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "no snapshot store on this node" not in logs
     last_good = max(s for s in _complete_steps(checkpoints) if s < interrupted)
     manifest = json.loads((checkpoints / f"step-{last_good:09d}" / "MANIFEST.json").read_text())
     manager = CheckpointManager(

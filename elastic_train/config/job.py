@@ -221,10 +221,11 @@ class CheckpointConfig:
     async_save: bool = True
     #: Exit (code errors.EXIT_CHECKPOINT_FAILURES) after this many failed saves in a row.
     max_consecutive_failures: int = 3
-    #: Who writes the disk checkpoint: "trainer" (a thread of rank 0) or "agent" (the
+    #: Who writes the disk checkpoint: "trainer" (a thread of rank 0), "agent" (the
     #: node agent persists rank 0's /dev/shm snapshot, off the training process; without
-    #: a node agent or snapshots it falls back to "trainer", logged once).
-    writer: Literal["trainer", "agent"] = "trainer"
+    #: a node agent or snapshots it falls back to "trainer", logged once) or "auto":
+    #: "agent" where the node agent and the snapshots are there, else "trainer", quietly.
+    writer: Literal["auto", "trainer", "agent"] = "auto"
     #: Start from these weights only (no optimizer, no step): one of our checkpoint
     #: (step) directories, a .safetensors or state_dict file, or a Hugging Face model
     #: directory. Used when the run has no state of its own yet.

@@ -48,6 +48,7 @@ import psutil
 from elastic_train.errors import CheckpointWriteError
 from elastic_train.log import get_logger
 from elastic_train.state.checkpoint import CheckpointManager
+from elastic_train.state.checkpoint_files import remove_stale_temporaries
 from elastic_train.state.snapshot import SnapshotStore
 from elastic_train.state.snapshot_layout import ALGORITHM
 
@@ -143,7 +144,10 @@ class AgentCheckpointManager(CheckpointManager):
         async_save: bool,
         is_writer: bool,
         socket_path: str,
+        chosen: bool = True,
     ) -> None:
+        """``chosen``: ``checkpoint.writer = "agent"`` was set; with ``"auto"`` a node
+        without snapshots (``elastic.snapshot = false``) has the trainer write, quietly."""
         # The agent may be persisting into the directory while this worker
         # starts: it removes stale temporaries itself, once (persist_snapshot).
         super().__init__(
@@ -159,6 +163,7 @@ class AgentCheckpointManager(CheckpointManager):
         self._store: SnapshotStore | None = None
         self._hold: Callable[[int, dict], bool] | None = None
         self._fallback_logged = False
+        self._chosen = chosen
         #: Saves the agent was asked for, and those the trainer wrote itself.
         self.requested = 0
         self.fallbacks = 0
@@ -178,6 +183,10 @@ class AgentCheckpointManager(CheckpointManager):
             # it was asked (it may persist a newer step than asked: never this one twice).
             if self.is_writer and not self._closed:
                 self.flush()
+                # The agent has handled every request, and no other node's is asked
+                # (one rank 0): a .tmp-step-* now is a killed writer's, which no
+                # worker of this writer removed at its start (the agent may write then).
+                remove_stale_temporaries(self.directory)
             super().save(step, state, blocking=blocking)
             return
         started = time.perf_counter()
@@ -189,7 +198,10 @@ class AgentCheckpointManager(CheckpointManager):
             return
         self.fallbacks += 1
         if not self._fallback_logged:
-            log.warning("checkpoint_writer_fallback", step=step, reason=problem, writer="trainer")
+            expected = self._store is None and not self._chosen
+            (log.info if expected else log.warning)(
+                "checkpoint_writer_fallback", step=step, reason=problem, writer="trainer"
+            )
             self._fallback_logged = True
         super().save(step, state)
 

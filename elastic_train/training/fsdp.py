@@ -153,7 +153,7 @@ def open_checkpoints(
     if not cfg.checkpoint.dir:
         return None
     if is_sharded(model):
-        if cfg.checkpoint.writer == "agent" and ctx.is_main:
+        if cfg.checkpoint.writer == "agent" and ctx.is_main:  # "auto" means this quietly
             log.info("checkpoint_writer_fallback", writer="trainer", reason="fsdp2 (no snapshots)")
         return ShardedCheckpointManager(
             cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=fingerprint,
@@ -165,7 +165,7 @@ def open_checkpoints(
         log.info("checkpoint_writer_fallback", writer="trainer",
                  reason=f"no node agent persister ({PERSIST_SOCKET_ENV} unset: not under torchrun "
                         "with the etcd-v3 rendezvous)")  # fmt: skip
-    if cfg.checkpoint.writer != "agent" or not socket_path:
+    if cfg.checkpoint.writer == "trainer" or not socket_path:
         return CheckpointManager(
             cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=fingerprint,
             async_save=cfg.checkpoint.async_save, is_writer=ctx.is_main,
@@ -173,6 +173,7 @@ def open_checkpoints(
     manager = AgentCheckpointManager(
         cfg.checkpoint.dir, keep=cfg.checkpoint.keep, fingerprint=fingerprint,
         async_save=cfg.checkpoint.async_save, is_writer=ctx.is_main, socket_path=socket_path,
+        chosen=cfg.checkpoint.writer == "agent",
     )  # fmt: skip
     # node_snapshots() is called next, with this ctx.env: it attaches its store.
     _AWAITING_SNAPSHOTS[id(ctx.env)] = manager
@@ -186,19 +187,26 @@ _AWAITING_SNAPSHOTS: dict[int, AgentCheckpointManager] = {}
 def node_snapshots(cfg: JobConfig, env: WorkerEnv, *, fingerprint: str) -> NodeSnapshots | None:
     """This node's per-step snapshots; none for fsdp2, which relies on its DCP checkpoints.
 
-    With ``checkpoint.writer = "agent"`` the checkpoint manager that
-    :func:`open_checkpoints` made for this env gets the store: it persists
+    With the agent writer the checkpoint manager that :func:`open_checkpoints`
+    made for this env gets the store (:func:`attach_snapshots`): it persists
     from it (without one it writes itself, ``checkpoint_writer_fallback``).
     """
+    snapshots = None
+    if cfg.training.parallel != "fsdp2":
+        snapshots = open_snapshots(cfg.elastic, env, fingerprint=fingerprint)
+    elif cfg.elastic.snapshot:
+        log.info("snapshot_off", reason="training.parallel = 'fsdp2'", fallback="disk")
+    attach_snapshots(env, snapshots)
+    return snapshots
+
+
+def attach_snapshots(env: WorkerEnv, snapshots: NodeSnapshots | None) -> None:
+    """Give the agent-writer manager that :func:`open_checkpoints` last made for ``env``
+    the node's snapshot store: at the start, and at an in-process re-form that
+    made this worker rank 0 (its snapshots outlive the re-form; its manager is new)."""
     manager = _AWAITING_SNAPSHOTS.pop(id(env), None)
-    if cfg.training.parallel == "fsdp2":
-        if cfg.elastic.snapshot:
-            log.info("snapshot_off", reason="training.parallel = 'fsdp2'", fallback="disk")
-        return None
-    snapshots = open_snapshots(cfg.elastic, env, fingerprint=fingerprint)
     if manager is not None and snapshots is not None and snapshots.enabled:
         manager.attach(snapshots.store, snapshots.hold)
-    return snapshots
 
 
 def consolidate(t: Trainer) -> Trainer:

@@ -41,6 +41,7 @@ from elastic_train.training.distributed import DistContext, broadcast_attempt_id
 from elastic_train.training.evaluate import EvalResult, evaluate
 from elastic_train.training.exit_barrier import release_after_shrink
 from elastic_train.training.fsdp import (
+    attach_snapshots,
     consolidate,
     node_snapshots,
     open_checkpoints,
@@ -259,10 +260,17 @@ HOOKS = LoopHooks(
     wrap=lambda t, ctx: t.comm_hook.register(
         wrap_model(compiled(t.model, t.cfg.training), ctx, states_equal=True)
     ),
-    open_checkpoints=lambda t, ctx: open_checkpoints(
-        t.cfg, ctx, fingerprint=t.fingerprint, model=t.model, optimizer=t.optimizer
-    ),
+    open_checkpoints=lambda t, ctx: reopen_checkpoints(t, ctx),
 )
+
+
+def reopen_checkpoints(t: Trainer, ctx: DistContext) -> CheckpointManager | None:
+    """The checkpoint manager of a re-formed group's rank 0, with the node's snapshots."""
+    manager = open_checkpoints(
+        t.cfg, ctx, fingerprint=t.fingerprint, model=t.model, optimizer=t.optimizer
+    )
+    attach_snapshots(ctx.env, t.snapshots)
+    return manager
 
 
 def save_checkpoint(t: Trainer, *, reason: str, blocking: bool = False) -> None:
