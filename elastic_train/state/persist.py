@@ -183,10 +183,11 @@ class AgentCheckpointManager(CheckpointManager):
             # it was asked (it may persist a newer step than asked: never this one twice).
             if self.is_writer and not self._closed:
                 self.flush()
-                # The agent has handled every request, and no other node's is asked
-                # (one rank 0): a .tmp-step-* now is a killed writer's, which no
-                # worker of this writer removed at its start (the agent may write then).
-                remove_stale_temporaries(self.directory)
+                if self._agent_idle():
+                    # No other node's agent is asked (one rank 0): a .tmp-step-* now is
+                    # a killed writer's, which no worker of this writer removed at its
+                    # start (the agent may write then).
+                    remove_stale_temporaries(self.directory)
             super().save(step, state, blocking=blocking)
             return
         started = time.perf_counter()
@@ -264,6 +265,11 @@ class AgentCheckpointManager(CheckpointManager):
             time.sleep(pause)  # polling the agent's status file, with a deadline
             pause = min(pause * 2, 0.05)
         self.refresh()
+
+    def _agent_idle(self) -> bool:
+        """Whether the agent has handled every request of this worker (flush() gives up
+        after FLUSH_TIMEOUT_S)."""
+        return not self._seq or not self._unhandled(PersistStatus.read(self.status_path))
 
     def _unhandled(self, status: PersistStatus) -> bool:
         return status.handled.get(self._pid, 0) < self._seq

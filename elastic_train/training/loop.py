@@ -253,17 +253,6 @@ def restore(t: Trainer) -> None:
 
 
 #: What an in-process re-form needs of the loop (training/inprocess.py).
-HOOKS = LoopHooks(
-    state_dict=lambda t: state_dict(t),
-    load_state_dict=lambda t, s: load_state_dict(t, s),
-    # In process only, after roll_back has brought every member to one state.
-    wrap=lambda t, ctx: t.comm_hook.register(
-        wrap_model(compiled(t.model, t.cfg.training), ctx, states_equal=True)
-    ),
-    open_checkpoints=lambda t, ctx: reopen_checkpoints(t, ctx),
-)
-
-
 def reopen_checkpoints(t: Trainer, ctx: DistContext) -> CheckpointManager | None:
     """The checkpoint manager of a re-formed group's rank 0, with the node's snapshots."""
     manager = open_checkpoints(
@@ -271,6 +260,17 @@ def reopen_checkpoints(t: Trainer, ctx: DistContext) -> CheckpointManager | None
     )
     attach_snapshots(ctx.env, t.snapshots)
     return manager
+
+
+HOOKS = LoopHooks(
+    state_dict=lambda t: state_dict(t),
+    load_state_dict=lambda t, s: load_state_dict(t, s),
+    # In process only, after roll_back has brought every member to one state.
+    wrap=lambda t, ctx: t.comm_hook.register(
+        wrap_model(compiled(t.model, t.cfg.training), ctx, states_equal=True)
+    ),
+    open_checkpoints=reopen_checkpoints,
+)
 
 
 def save_checkpoint(t: Trainer, *, reason: str, blocking: bool = False) -> None:
