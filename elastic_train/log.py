@@ -45,6 +45,7 @@ __all__ = [
     "merge_process_context",
     "redact_secrets",
     "register_secret",
+    "thread_context",
 ]
 
 REDACTED = "[REDACTED]"
@@ -186,6 +187,12 @@ def bind_context(**context: Any) -> None:
     later (the checkpoint writer, the watchdog) carry it too.
     """
     _process_context.update(context)
+
+
+def thread_context(**context: Any) -> contextlib.AbstractContextManager[Any]:
+    """Bind ``context`` to the events of this thread inside the ``with`` block only
+    (the node agent's persister: the world size of the state it writes)."""
+    return structlog.contextvars.bound_contextvars(**context)
 
 
 def clear_context() -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from elastic_train.errors import CheckpointError, SnapshotError
-from elastic_train.log import get_logger
+from elastic_train.log import get_logger, thread_context
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.state.persist import STATUS_FILE, PersistStatus, persist_snapshot
 
@@ -179,8 +179,12 @@ class Persister:
             self._mark_handled(older)
             self.superseded += 1
         started = time.perf_counter()
+        metadata = newest.get("metadata")
+        world_size = metadata.get("world_size") if isinstance(metadata, dict) else None
         try:
-            step = persist_snapshot(newest, self._managers)
+            # Its events (checkpoint_saved) have the agent's context, not a worker's.
+            with thread_context(world_size=world_size):
+                step = persist_snapshot(newest, self._managers)
         except SnapshotError as exc:
             # The snapshot, not the disk: the trainer writes itself from now on
             # (it reads this in the status), and this is no failed disk write.

@@ -282,7 +282,6 @@ class CheckpointManager:
         log.info(
             "checkpoint_saved",
             step=step,
-            world_size=metadata.get("world_size"),  # the agent's writes have no worker context
             path=str(final),
             bytes=stats.bytes,
             seconds=round(stats.write_seconds, 4),
