@@ -26,7 +26,7 @@ import psutil
 
 from benchmarks import harness
 from benchmarks.cluster import BenchCluster
-from benchmarks.throughput import select, two_nodes
+from benchmarks.throughput import fault_free_run, select
 
 _WORKER_FILE = re.compile(r"^worker-(?P<node>.+)-(?P<pid>\d+)\.jsonl$")
 
@@ -62,7 +62,7 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
 
 
 def measure(comp: Any, workdir: Path, *, warmup: int, window: int, cycle: int) -> dict[str, Any]:
-    with two_nodes(comp, workdir, steps=warmup + window + 100) as cluster:
+    with fault_free_run(comp, workdir, steps=warmup + window + 100) as cluster:
         cluster.wait_step(warmup, world_size=2, timeout=120)
         roles = process_roles(cluster)
         before, started = cpu_seconds(list(roles)), time.monotonic()

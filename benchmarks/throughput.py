@@ -58,7 +58,7 @@ TARGET_SNAPSHOT_LOSS = 0.02
 TARGET_RATIO = 0.99
 
 
-def two_nodes(
+def fault_free_run(
     comp: Competitor,
     workdir: Path,
     *,
@@ -91,7 +91,7 @@ def measure(
     nodes: int = 2,
 ) -> dict[str, Any]:
     steps = warmup_steps + window_steps
-    with two_nodes(comp, workdir, steps=steps, shape=shape, nodes=nodes) as cluster:
+    with fault_free_run(comp, workdir, steps=steps, shape=shape, nodes=nodes) as cluster:
         cluster.wait_step(steps, world_size=nodes, timeout=timeout)
     return window_rates(
         cluster, warmup_steps=warmup_steps, window_steps=window_steps, world_size=nodes

@@ -84,9 +84,10 @@ class WarmStartUnavailable(Exception):
 def parse_warm_start(text: str | None) -> bool | None:
     """The ``warm_start`` rdzv-conf value, None for ``auto`` or unset; ``ValueError``
     names the key and accepted values."""
-    if text is None or str(text).strip().lower() == "auto":
+    key = None if text is None else str(text).strip().lower()
+    if key is None or key == "auto":
         return None
-    value = _BOOLEANS.get(str(text).strip().lower())
+    value = _BOOLEANS.get(key)
     if value is None:
         raise ValueError(
             f"warm_start={text!r} is invalid: expected one of 1, 0, true, false, on, off, auto"
