@@ -27,6 +27,12 @@ rank 0's all-reduce however late the runner's look comes.
 zeros: the checkpoint writes take long enough for a kill to catch one in flight
 (``kill:rank0@save``); it never changes, so it changes no other number.
 
+``model.options.die_sending_state``: a path. The first rank 0 whose state is
+read for an in-process state transfer (``rollback.take_newest``: an admission's
+broadcast to a joiner) writes it (the time, its node) and, before the state
+leaves, kills its node (the torchrun agent, then itself), or with
+``model.options.sending_state_fault=stop`` SIGSTOPs itself: its sockets stay open.
+
 The probe needs one backward per step (``training.micro_batch_size=0``).
 """
 
@@ -35,11 +41,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -89,6 +98,10 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
             register_optimizer_step_pre_hook(_on_optimizer_step)
         node = os.environ.get("ELASTIC_TRAIN_NODE", "single")
         _probe_file = Path(probe_dir) / f"probe-{node}-{os.getpid()}.jsonl"
+    if cfg.options.get("die_sending_state"):
+        marker = Path(str(cfg.options["die_sending_state"]))
+        stop = cfg.options.get("sending_state_fault", "kill") == "stop"
+        model.register_state_dict_pre_hook(lambda *_: _die_if_sending_state(marker, stop=stop))
     params = [p for p in model.parameters() if p.requires_grad]
     seen, steps = [0], [0]
     hold_at, hold = int(cfg.options.get("hold_at_step", 0)), float(cfg.options.get("hold_s", 0))
@@ -109,6 +122,35 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
     for param in params:
         param.register_hook(on_grad)
     return model
+
+
+def _die_if_sending_state(marker: Path, *, stop: bool) -> None:
+    if _rank() != 0 or not _in_function("take_newest"):
+        return
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # once per run: the next holder sends
+    node = os.environ.get("ELASTIC_TRAIN_NODE")
+    os.write(fd, json.dumps({"time": time.time(), "node": node, "pid": os.getpid()}).encode())
+    os.close(fd)
+    if stop:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    for parent in psutil.Process().parents():  # the node dies, not only this worker
+        if "torch.distributed.run" in " ".join(parent.cmdline()):
+            parent.kill()
+            break
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _in_function(name: str) -> bool:
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _paced(default: float, pause_file: Path | None) -> float:

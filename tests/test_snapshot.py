@@ -22,7 +22,12 @@ import torch.distributed as dist
 from workers import start_workers
 
 from elastic_train.errors import SnapshotError
-from elastic_train.state.restore import RestoreDecision, broadcast_state, decide
+from elastic_train.state.restore import (
+    BROADCAST_PIECE_BYTES,
+    RestoreDecision,
+    broadcast_state,
+    decide,
+)
 from elastic_train.state.snapshot import SnapshotStore
 from elastic_train.state.snapshot_layout import HEADER_BYTES
 from elastic_train.training.rng import capture_rng_state, restore_rng_state
@@ -312,14 +317,18 @@ def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
     try:
         # Each rank is a "node" with its own /dev/shm; rank 0 is a new, empty node.
         store = SnapshotStore("agree", fingerprint=FP, root=Path(root) / f"node{rank}")
-        if rank > 0:
-            store.save(10 + rank, {"w": torch.arange(5.0) + 10 + rank, "step": 10 + rank})
+        if rank > 0:  # "big" ships in two broadcasts (BROADCAST_PIECE_BYTES)
+            big = torch.arange(BROADCAST_PIECE_BYTES // 4 + 1024, dtype=torch.float32) + rank
+            store.save(10 + rank, {"w": torch.arange(5.0) + 10 + rank, "big": big,
+                                   "step": 10 + rank})  # fmt: skip
         snapshot = store.load(map_location="cpu")
         agreement = agree_on_newest(
             local_snapshot_step=snapshot[0] if snapshot else None, disk_step=9, group=None
         )
         mine = snapshot[1] if snapshot and snapshot[0] == agreement.step else None
         shipped = broadcast_state(mine, agreement.owner_rank, None, fingerprint=FP, step=12)
+        big = shipped.pop("big")  # not saved below: 16 MiB a rank
+        big_shipped = torch.equal(big, torch.arange(big.numel(), dtype=torch.float32) + 2)
         # The one-call restore: first the snapshot wins, then a newer disk checkpoint.
         ckpt = CheckpointManager(
             Path(root) / "ckpt", keep=2, fingerprint=FP, async_save=False, is_writer=rank == 0
@@ -328,12 +337,14 @@ def _worker(rank: int, world: int, init: str, root: str, out: str) -> None:
         from_snapshot = restore_newest(
             snapshot=store, checkpoint=ckpt, group=None, map_location="cpu"
         )
+        del from_snapshot[2]["big"]
         ckpt.save(20, {"w": torch.full((5,), 20.0), "step": 20})
         dist.barrier()  # step 20 is on disk for everyone
         from_disk = restore_newest(snapshot=store, checkpoint=ckpt, group=None, map_location="cpu")
         result = {
             "agreement": list(agreement),
             "state": shipped,
+            "big_shipped": big_shipped,
             "from_snapshot": list(from_snapshot),
             "from_disk": list(from_disk),
         }
@@ -353,6 +364,7 @@ def test_the_group_agrees_and_ships_the_newest_state_over_gloo(tmp_path: Path) -
     for result in results:
         assert result["agreement"] == ["snapshot", 12, 2]
         assert torch.equal(result["state"]["w"], torch.arange(5.0) + 12)
+        assert result["big_shipped"]
         assert result["state"]["step"] == 12
         source, step, state = result["from_snapshot"]
         assert (source, step, state["step"]) == ("snapshot", 12, 12)

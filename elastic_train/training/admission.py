@@ -246,15 +246,16 @@ def switch(t: Trainer) -> None:
     forming, ip.forming, ip.forming_verdict = ip.forming, None, None
     started, began = time.perf_counter(), time.time()
     old_world, old_ids = t.ctx.world_size, {m.id for m in forming.members}
-    gen, formed, background = forming.take()
+    gen, background = forming.gen, forming.seconds
+    assert gen is not None
     failure = None
     with t.guards.long_operation("inprocess_admission"):
-        try:
-            _, timings = regroup(t, first=gen, planned=True, formed=formed)
+        try:  # regroup takes the group from the formation: no frame here holds it
+            _, timings = regroup(t, first=gen, planned=True, formed=forming)
         except RuntimeError as exc:  # torch's DistError: someone died since it connected
             failure = f"{type(exc).__name__}: {exc}"
-    del formed
     if failure is not None:  # out of the except block, whose frames hold the broken group
+        forming.drop()  # its group, if the failure came before regroup took it
         recover(t, failure)
         return
     _admitted(t, gen, old_world=old_world, old_ids=old_ids, started=started, began=began,

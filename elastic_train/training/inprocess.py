@@ -28,14 +28,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from elastic_train.audit import AuditWriter
 from elastic_train.errors import ElasticTrainError, InProcessRecoveryError, MemberLostError
 from elastic_train.log import bind_context, get_logger
-from elastic_train.state.restore import broadcast_state
-from elastic_train.training import next_group
+from elastic_train.training import next_group, rollback
 from elastic_train.training.distributed import DistContext, generation_attempt_id
 from elastic_train.training.etcd_access import EtcdAccess
 from elastic_train.training.membership import Generation, Membership
@@ -246,42 +244,6 @@ def reform(t: Trainer, *, first: Generation | None = None) -> tuple[DistContext,
     raise InProcessRecoveryError(f"no group formed in {ip.max_reforms} re-forms")
 
 
-def roll_back(t: Trainer, hooks: LoopHooks, *, joining: bool = False) -> int:
-    """Back to the last completed step, then to the newest among the survivors;
-    returns the step that was in flight at the failure (for lost-step accounting).
-    ``joining``: this worker holds no state yet (an async join): it receives the newest."""
-    start, t.step_start = t.step_start, None
-    in_flight = t.step + 1 if start is not None else t.step
-    if start is not None:  # failed inside the step: its optimizer step never ran
-        t.sampler.load_state_dict(start.sampler)
-        torch.set_rng_state(start.torch_rng["torch"])
-        if "cuda" in start.torch_rng:
-            torch.cuda.set_rng_state_all(start.torch_rng["cuda"])
-        t.comm_hook.load_state_dict(start.comm_hook)
-        t.step = start.step
-    t.optimizer.zero_grad(set_to_none=True)
-    own = -1 if joining else t.step
-    world, rank = t.ctx.world_size, t.ctx.rank
-    # One all-reduce: the newest step, the oldest, and (the max of own x world +
-    # world - 1 - rank) the lowest rank that holds the newest.
-    keys = [own, -own, own * world + world - 1 - rank]
-    steps = torch.tensor(keys, dtype=torch.int64, device=t.ctx.device)
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    newest, minus_oldest, holder = steps.tolist()
-    oldest = -minus_oldest
-    if newest != oldest:
-        src = world - 1 - holder % world
-        # Every rank at the newest step holds that state already (in lockstep: the
-        # same all-reduced gradients): it passes its own and decodes nothing.
-        held = hooks.state_dict(t) if own == newest else None
-        state = broadcast_state(held, src, None, fingerprint="inprocess", step=newest,
-                                map_location=t.ctx.device)  # fmt: skip
-        if held is None:
-            hooks.load_state_dict(t, state)
-        log.info("inprocess_newest_broadcast", step=newest, src=src, oldest=oldest)
-    return in_flight
-
-
 def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = False) -> None:
     """Everything that depends on rank and world size, for the new group (``t.ctx``)."""
     ctx = t.ctx
@@ -291,7 +253,7 @@ def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = Fal
     gen = ip.membership.current if ip is not None else None
     assert ip is not None and gen is not None  # regroup's, after a formation
     ip.admit_due = False  # a vote taken before the failure is for a group that is gone
-    t.ddp = hooks.wrap(t, ctx)  # a new reducer over the weights roll_back made equal
+    t.ddp = hooks.wrap(t, ctx)  # a new reducer over the weights take_newest made equal
     t.batches.start(t.sampler, step=t.step, rank=ctx.rank, world_size=ctx.world_size,
                     training=t.cfg.training)  # fmt: skip
     t.attempt = generation_attempt_id(ip.membership.lineage, gen.number)  # no collective
@@ -320,33 +282,60 @@ def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = Fal
 
 def regroup(
     t: Trainer, *, first: Generation | None = None, joining: bool = False,
-    planned: bool = False, formed: next_group.NewGroup | None = None,
+    planned: bool = False, formed: next_group.Formation | None = None,
 ) -> tuple[int, dict[str, float]]:  # fmt: skip
     """Abort the group, form the next one (``first`` if given), bring every member to
     the newest state, rebuild; the step in flight and the seconds of each phase.
     ``planned``: :func:`abort_group`'s (an admission or a departure, not a failure).
-    ``formed``: generation ``first``'s group, formed in the background already."""
+    ``formed``: the formation whose group is generation ``first``'s, formed in the
+    background already (taken here: a caller holding it would keep its sockets open).
+    A peer failing while the state moves costs another formation without it."""
     ip = t.inprocess
     assert ip is not None
     abort_group(t, planned=planned)
     was_main, old_world = t.ctx.is_main, t.ctx.world_size
+    in_flight = rollback.rewind(t)
+    timings = {"agreement_s": 0.0, "group_init_s": 0.0, "rollback_s": 0.0}
+    failed = False
+    for _ in range(ip.max_reforms):
+        _form(t, first=first, formed=formed, timings=timings)
+        # A shortened timeout (the step's, or the last try's) after which every
+        # member is still there killed nobody.
+        timed_out = failed or (ip.timeout.short_s is not None and first is None)
+        if timed_out and t.ctx.world_size == old_world:
+            ip.timeout.widen()
+        ip.timeout.attach(t.ctx.backend, scale=old_world / t.ctx.world_size)
+        old_world = t.ctx.world_size
+        started = time.perf_counter()
+        failure = rollback.take_newest(t, ip.hooks, joining=joining, timeout=ip.timeout)
+        timings["rollback_s"] += time.perf_counter() - started
+        if failure is None:
+            break
+        gen = ip.membership.current
+        log.warning("inprocess_rollback_failed", generation=gen.number if gen else None,
+                    error=failure[:300])  # fmt: skip
+        abort_group(t)
+        first, formed, failed = None, None, True
+    else:
+        raise InProcessRecoveryError(f"a peer failed in each of {ip.max_reforms} state transfers")
+    rebuild(t, ip.hooks, was_main=was_main, joining=joining)
+    return in_flight, {name: round(seconds, 4) for name, seconds in timings.items()}
+
+
+def _form(
+    t: Trainer, *, first: Generation | None, formed: next_group.Formation | None,
+    timings: dict[str, float],
+) -> None:  # fmt: skip
+    """The next group as the default group and ``t.ctx`` (see :func:`regroup`)."""
     if formed is not None and first is not None:
         started = time.perf_counter()
-        next_group.install(formed)
-        t.ctx, agreement_s, group_s = context_of(t, first), 0.0, time.perf_counter() - started
-    else:
-        t.ctx, agreement_s, group_s = reform(t, first=first)
-    if ip.timeout.short_s is not None and t.ctx.world_size == old_world and first is None:
-        ip.timeout.widen()
-    ip.timeout.attach(t.ctx.backend, scale=old_world / t.ctx.world_size)
-    started = time.perf_counter()
-    in_flight = roll_back(t, ip.hooks, joining=joining)
-    rollback_s = time.perf_counter() - started
-    rebuild(t, ip.hooks, was_main=was_main, joining=joining)
-    return in_flight, {
-        "agreement_s": round(agreement_s, 4), "group_init_s": round(group_s, 4),
-        "rollback_s": round(rollback_s, 4),
-    }  # fmt: skip
+        next_group.install(formed.take()[1])
+        t.ctx = context_of(t, first)
+        timings["group_init_s"] += time.perf_counter() - started
+        return
+    t.ctx, agreement_s, group_s = reform(t, first=first)
+    timings["agreement_s"] += agreement_s
+    timings["group_init_s"] += group_s
 
 
 def recover(t: Trainer, failure: str) -> None:

@@ -5,10 +5,11 @@ receive from a peer that left wakes within a few step times, not at
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -33,8 +34,9 @@ class StepTimeout:
     by the peer's death, the others' destroy, nor an abort from another thread).
     So inside a step the timeout is max(floor, multiple x the median interval
     between completed steps), under ``pg_timeout_seconds`` and half the
-    watchdog's limit (the recovery must begin before the watchdog fires). Outside
-    steps (saves, evaluation, the re-form), in a group's first step (DDP's first
+    watchdog's limit (the recovery must begin before the watchdog fires). A
+    re-form's own collectives get the floor (:meth:`bounded`). Outside steps
+    (saves, evaluation, forming the group), in a group's first step (DDP's first
     buckets, new loader workers) and until a few step times are known it is
     ``pg_timeout_seconds``. A timeout that no failure caused costs one re-form
     with the same members and doubles the floor, so a slow machine cannot loop.
@@ -89,6 +91,20 @@ class StepTimeout:
         if self.short_s is not None and self._backend is not None:
             _set_timeout(self._backend, self.full_s)  # saves, evaluation: the full limit
             self.short_s = None
+
+    @contextlib.contextmanager
+    def bounded(self) -> Iterator[None]:
+        """A re-form's own collectives (:mod:`.rollback`) under the floor, not
+        ``full_s``: a member blocked on a peer that died in them wakes in seconds.
+        A timeout that killed nobody costs another re-form, and widens the floor."""
+        if self._backend is None or self.floor_s >= self.full_s:
+            yield
+            return
+        _set_timeout(self._backend, self.floor_s)
+        try:
+            yield
+        finally:
+            _set_timeout(self._backend, self.full_s)
 
     def widen(self) -> None:
         """A re-form kept every member after a shortened step failed: no failure

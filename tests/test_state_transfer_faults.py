@@ -1,0 +1,92 @@
+"""A node that dies while it sends the group's state to a joiner (issue 20, item 6).
+
+In-process recovery moves state in its last collectives: at an admission the
+group's rank 0 broadcasts the newest state to the joiner (``rollback.take_newest``).
+A CI run caught rank 0's node SIGKILLed in that broadcast: two ranks waited in a
+gloo receive for the full ``pg_timeout_seconds`` (60 s), and the joiner, whose
+failure there was not handled, exited to a restart of every worker. Now those
+collectives run under the in-process floor timeout and a failure in them
+re-forms the group without the dead node, the joiner included.
+
+Here ``fault_hooks.probe_mlp``'s ``die_sending_state`` kills rank 0's node at
+exactly that moment, with real processes: three nodes train, a fourth joins.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from chaos_runs import assert_ran_exactly_once, log_events, worker_records
+from steered_runs import Pace, assert_ends_like, run_steered
+from torch_support import needs_inprocess
+
+from elastic_train.audit import AuditTail, StepRecord
+
+STEPS = 600
+JOB = [
+    "--data.name=synthetic",
+    "--data.num_samples=96",
+    "--training.global_batch_size=16",
+    f"--training.steps={STEPS}",
+    "--training.final_loss_samples=96",
+    "--training.micro_batch_size=0",
+    "--checkpoint.interval_steps=50",
+    "--model.name=tests.fault_hooks:probe_mlp",
+]
+#: seconds a step pauses until the joiner trains: its start-up takes 3-10 s
+PAUSE_S = 0.05
+#: the process-group timeout, which no survivor may wait out
+PG_TIMEOUT_S = 60.0
+
+
+@needs_inprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_node_failing_while_it_sends_a_joiner_the_state_is_re_formed_around(
+    tmp_path: Path, fault: str
+) -> None:
+    # kill: the peers' receives fail at once (its sockets close). stop: its sockets
+    # stay open, and only the floor timeout (5 s) ends the receives that wait for it.
+    run_dir = tmp_path / "run"
+    marker = tmp_path / "died.json"
+    pace = Pace(tmp_path / "pause", PAUSE_S)
+    tail = AuditTail(run_dir / "audit")
+
+    def end_pace_once_the_joiner_trains() -> None:
+        if pace.seconds and any(
+            isinstance(r, StepRecord) and r.node == "node3" for r in tail.poll()
+        ):
+            pace.set(0.0)
+
+    command = [
+        "--nodes", "3", "--min-nodes", "2", "--chaos", "join:3@step20",
+        "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0", *JOB,
+        f"--model.options.pause_file={pace.path}", f"--model.options.die_sending_state={marker}",
+        f"--model.options.sending_state_fault={fault}", "--elastic.recovery=inprocess",
+        f"--elastic.pg_timeout_seconds={PG_TIMEOUT_S}",
+        "--finish-grace", "3",  # a stopped worker never exits by itself
+    ]  # fmt: skip
+    summary = run_steered(
+        run_dir, command, pace=pace, nodes=0, on_tick=end_pace_once_the_joiner_trains
+    )
+    assert_ran_exactly_once(summary, steps=STEPS)
+    died = json.loads(marker.read_text())  # the hook fired: rank 0 was sending the state
+    assert died["node"] == "node0", died
+    # Every start after the first was in process: no worker restarted, the joiner
+    # neither (it used to exit, and every worker restarted from a snapshot).
+    sources = {r["source"] for r in worker_records(run_dir, "resume")}
+    assert sources == {"none", "inprocess"}, sources  # none: the first start
+    logs = [run_dir / "logs" / f"{node}.log" for node in ("node1", "node2", "node3")]
+    failed = [e["error"] for log in logs for e in log_events(log, "inprocess_rollback_failed")]
+    assert failed, "nobody saw the transfer fail"
+    if fault == "stop":  # its sockets stayed open: the floor timeout, not pg_timeout's
+        assert any("Timed out waiting 5000ms" in error for error in failed), failed
+    # The three left (the joiner among them) train again long before the 60 s timeout.
+    later = [r for r in worker_records(run_dir, "step") if r["time"] > died["time"]]
+    first = min(r["time"] for r in later)
+    assert first - died["time"] < PG_TIMEOUT_S / 3, first - died["time"]
+    assert {r["node"] for r in later} == {"node1", "node2", "node3"}
+    assert {r["world_size"] for r in later} == {3}
+    assert_ends_like(summary, run_dir, tmp_path / "reference", JOB, atol=2.5e-5)
