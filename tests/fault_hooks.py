@@ -137,10 +137,11 @@ def _die_if_sending_state(marker: Path, *, stop: bool) -> None:
     if stop:
         os.kill(os.getpid(), signal.SIGSTOP)
         return
-    for parent in psutil.Process().parents():  # the node dies, not only this worker
-        if "torch.distributed.run" in " ".join(parent.cmdline()):
-            parent.kill()
-            break
+    # The node dies, not only this worker: its agent, and the zygote forked from it
+    # (the same command line), top down, before the agent can restart anything.
+    tree = [p for p in psutil.Process().parents() if "torch.distributed.run" in p.cmdline()]
+    for process in reversed(tree):
+        process.kill()
     os.kill(os.getpid(), signal.SIGKILL)
 
 

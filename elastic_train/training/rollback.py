@@ -10,7 +10,8 @@ holds nothing yet). No optimizer step is undone.
 Those collectives run under the in-process floor timeout
 (:meth:`StepTimeout.bounded`), not ``pg_timeout_seconds``: a member whose
 peer dies in the middle of them waits in a gloo receive that nothing but the
-timeout ends. Seen here: a holder SIGKILLed during an admission's broadcast
+timeout ends. (Except a joiner's first all-reduce, which waits for the members'
+switch.) Seen here: a holder SIGKILLed during an admission's broadcast
 left two members waiting the full 60 s, and the joiner among them ended in a
 worker restart. A failure here is reported, not raised, so the caller can
 re-form without the dead and try again (:func:`.inprocess.regroup`).
@@ -18,6 +19,7 @@ re-form without the dead and try again (:func:`.inprocess.regroup`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,19 +60,22 @@ def take_newest(t: Trainer, hooks: LoopHooks, *, joining: bool, timeout: StepTim
     world, rank = t.ctx.world_size, t.ctx.rank
     held = state = None
     try:
-        with timeout.bounded():
+        # A joiner's group is formed before the members switch to it, at their next
+        # check step: it waits for them here, a step time or two, under the full limit.
+        with contextlib.nullcontext() if joining else timeout.bounded():
             # One all-reduce: the newest step, the oldest, and (the max of own x world +
             # world - 1 - rank) the lowest rank that holds the newest.
             keys = [own, -own, own * world + world - 1 - rank]
             steps = torch.tensor(keys, dtype=torch.int64, device=t.ctx.device)
             dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-            newest, minus_oldest, holder = steps.tolist()
-            if newest == -minus_oldest:
-                return None
-            src = world - 1 - holder % world
-            # Every rank at the newest step holds that state already (in lockstep: the
-            # same all-reduced gradients): it passes its own and decodes nothing.
-            held = hooks.state_dict(t) if own == newest else None
+        newest, minus_oldest, holder = steps.tolist()
+        if newest == -minus_oldest:
+            return None
+        src = world - 1 - holder % world
+        # Every rank at the newest step holds that state already (in lockstep: the
+        # same all-reduced gradients): it passes its own and decodes nothing.
+        held = hooks.state_dict(t) if own == newest else None
+        with timeout.bounded():
             state = broadcast_state(held, src, None, fingerprint="inprocess", step=newest,
                                     map_location=t.ctx.device)  # fmt: skip
     except RuntimeError as exc:  # torch's DistError: a peer died or timed out meanwhile
