@@ -307,7 +307,8 @@ class ElasticConfig:
     #: pg_timeout_seconds and half the watchdog's, so a survivor that gloo leaves
     #: waiting for a failed peer recovers in a few steps; 0: pg_timeout_seconds.
     inprocess_timeout_multiple: float = 10.0
-    #: See inprocess_timeout_multiple.
+    #: See inprocess_timeout_multiple. Also the timeout of a re-form's state
+    #: transfer (training/rollback.py), which must fit each 16 MiB piece.
     inprocess_timeout_floor_seconds: float = 5.0
     #: In-process recovery: seconds a node entering the running group (an async
     #: join) waits to be admitted at a step boundary before it exits to the
