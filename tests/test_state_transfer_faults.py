@@ -8,8 +8,9 @@ failure there was not handled, exited to a restart of every worker. Now those
 collectives run under the in-process floor timeout and a failure in them
 re-forms the group without the dead node, the joiner included.
 
-Here ``fault_hooks.probe_mlp``'s ``die_sending_state`` kills rank 0's node at
-exactly that moment, with real processes: three nodes train, a fourth joins.
+Here ``fault_hooks.probe_mlp``'s ``die_sending_state`` kills rank 0's node (or
+SIGSTOPs its worker) at exactly that moment, with real processes: three nodes
+train, a fourth joins.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def test_a_node_failing_while_it_sends_a_joiner_the_state_is_re_formed_around(
     # The joiner failed once, at the fault: its wait for the switch is not bounded.
     assert len(failed["node3"]) == 1, failed
     errors = [error for node_errors in failed.values() for error in node_errors]
-    timeouts = [error for error in errors if "Timed out waiting 1000ms" in error]
+    timeouts = [error for error in errors if f"Timed out waiting {FLOOR_S * 1000:.0f}ms" in error]
     if fault == "stop":  # its sockets stayed open: the floor timeout, not pg_timeout's
         assert timeouts, failed
     else:
