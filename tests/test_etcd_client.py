@@ -147,6 +147,19 @@ def test_put_if_value(client: EtcdClient, request: pytest.FixtureRequest) -> Non
     assert client.get(key)[0].value == b"2"
 
 
+def test_get_prefix_from_a_start_key(client: EtcdClient, request: pytest.FixtureRequest) -> None:
+    base = _key(request)
+    prefix = base + b"/gen/"
+    for number in (1, 2, 9, 10):
+        client.put(prefix + b"%06d" % number, b"x")
+    client.put(base + b"/gen0", b"beside the prefix")
+    every, _ = client.get_prefix(prefix)
+    later, _ = client.get_prefix(prefix, start=prefix + b"000002")
+    assert [kv.key[len(prefix) :] for kv in every] == [b"000001", b"000002", b"000009", b"000010"]
+    assert [kv.key[len(prefix) :] for kv in later] == [b"000002", b"000009", b"000010"]
+    assert client.get_prefix(prefix, start=prefix + b"000011")[0] == []
+
+
 def test_watch_once_wakes_on_write_and_times_out(
     client: EtcdClient, request: pytest.FixtureRequest
 ) -> None:

@@ -171,6 +171,14 @@ def _wait_until_stopped(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _ask(procs: list[subprocess.Popen[str]]) -> list[dict]:
+    for proc in procs:  # all ask before any answers
+        assert proc.stdin is not None
+        proc.stdin.write("agree\n")
+        proc.stdin.flush()
+    return [_answer(p) for p in procs]
+
+
 def test_survivors_agree_without_the_killed_and_the_stopped_member(
     etcd_endpoint: str, rdzv_secret_file: Path
 ) -> None:
@@ -182,22 +190,49 @@ def test_survivors_agree_without_the_killed_and_the_stopped_member(
         procs[1].wait(timeout=10)
         os.kill(procs[3].pid, signal.SIGSTOP)
         _wait_until_stopped(procs[3].pid)
-        for survivor in (procs[0], procs[2]):  # both ask before either answers
-            assert survivor.stdin is not None
-            survivor.stdin.write("agree\n")
-            survivor.stdin.flush()
-        answers = [_answer(procs[0]), _answer(procs[2])]
         members = ["node0", "node2"]
-        assert answers == [
+        assert _ask([procs[0], procs[2]]) == [
             {"generation": 1, "rank": 0, "members": members},
             {"generation": 1, "rank": 1, "members": members},
         ]
         os.kill(procs[3].pid, signal.SIGCONT)
-        assert procs[3].stdin is not None
-        procs[3].stdin.write("agree\n")
-        procs[3].stdin.flush()
-        fenced = _answer(procs[3])
+        fenced = _ask(procs[3:])[0]
         assert "fenced out of generation 1" in fenced["fenced"], fenced
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_a_member_late_to_a_generation_joins_the_one_the_others_went_on_to(
+    etcd_endpoint: str, rdzv_secret_file: Path
+) -> None:
+    """Three members agree twice (they gave up on generation 1, which waited for the
+    fourth); the fourth, late, comes to generation 2 with them, not to 1 alone. Once
+    the others go on without it (it stopped), it is fenced out by the newest."""
+    env = _member_env(etcd_endpoint, rdzv_secret_file)
+    procs = [_start_member(rank, env) for rank in range(4)]
+    try:
+        assert [_answer(p) for p in procs] == [{"registered": r} for r in range(4)]
+        everyone = ["node0", "node1", "node2", "node3"]
+        for generation in (1, 2):
+            answers = _ask(procs[:3])
+            assert [(a["generation"], a["members"]) for a in answers] == [
+                (generation, everyone)
+            ] * 3
+        assert _ask(procs[3:]) == [{"generation": 2, "rank": 3, "members": everyone}]
+        os.kill(procs[3].pid, signal.SIGSTOP)
+        _wait_until_stopped(procs[3].pid)
+        for generation in (3, 4):  # without it; then once more, with only the three
+            answers = _ask(procs[:3])
+            assert [(a["generation"], a["members"]) for a in answers] == [
+                (generation, everyone[:3])
+            ] * 3
+        os.kill(procs[3].pid, signal.SIGCONT)
+        fenced = _ask(procs[3:])[0]
+        assert "fenced out of generation 4" in fenced["fenced"], fenced
     finally:
         for proc in procs:
             if proc.poll() is None:

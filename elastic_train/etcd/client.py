@@ -177,10 +177,13 @@ class EtcdClient:
         resp = self._call(lambda m, kw: m.kv.Range(etcdrpc.RangeRequest(key=key), **kw), op="range")
         return (_kv(resp.kvs[0]) if resp.kvs else None), resp.header.revision
 
-    def get_prefix(self, prefix: bytes, *, count_only: bool = False) -> tuple[list[KeyValue], int]:
-        """Every key under ``prefix`` (or none, with the count as revision's partner)."""
+    def get_prefix(
+        self, prefix: bytes, *, count_only: bool = False, start: bytes | None = None
+    ) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` (or none, with the count as revision's partner);
+        with ``start`` (a key under ``prefix``), those from ``start`` on."""
         request = etcdrpc.RangeRequest(
-            key=prefix, range_end=_prefix_end(prefix), count_only=count_only
+            key=start or prefix, range_end=_prefix_end(prefix), count_only=count_only
         )
         resp = self._call(lambda m, kw: m.kv.Range(request, **kw), op="range")
         if count_only:

@@ -248,12 +248,29 @@ class Membership:
         alive = dict(zip((m.id for m in others), _probe_all(others, probe_timeout), strict=True))
         proposal = [m for m in current.members if m.id == self.me.id or alive[m.id]]
         written, members = self._propose(current.number + 1, proposal)
+        number, members = self._newest(current.number + 1, members)
         ids = [m.id for m in members]
         log.info(
-            "membership_agreed", generation=current.number + 1, proposed=written,
-            members=ids, dead=[i for i, ok in alive.items() if not ok],
+            "membership_agreed", generation=number, proposed=written, members=ids,
+            dead=[i for i, ok in alive.items() if not ok], skipped=number - current.number - 1,
         )  # fmt: skip
-        return self._adopt(current.number + 1, members)
+        return self._adopt(number, members)
+
+    def _newest(self, number: int, members: tuple[Member, ...]) -> tuple[int, tuple[Member, ...]]:
+        """The newest generation from ``number`` on. A member late to ``number`` (its
+        failed collective took longer) finds the others gone on to a later one: they
+        waited for it in ``number``'s store and gave up. It joins them there, or is
+        fenced out by it, instead of forming ``number`` alone and timing out."""
+        prefix = f"{self._root}/gen/".encode()
+        try:
+            kvs, _ = self._client.get_prefix(prefix, start=prefix + f"{number + 1:06d}".encode())
+            if not kvs:
+                return number, members
+            newest = max(kvs, key=lambda kv: kv.key)
+            decoded = self._decode(newest.key, newest.value)
+        except ElasticTrainError as exc:
+            raise InProcessRecoveryError(f"no agreement after generation {number}: {exc}") from exc
+        return int(newest.key[len(prefix) :]), tuple(Member(**m) for m in decoded)  # type: ignore[union-attr]
 
     def _propose(self, number: int, proposal: list[Member]) -> tuple[bool, tuple[Member, ...]]:
         """Create generation ``number`` as ``proposal`` unless it exists; the winner."""
@@ -366,9 +383,10 @@ class Membership:
         group that went to the restart path admits nobody, so the joiner goes too
         once it has not answered for ``silence_s``."""
         prefix = f"{self._root}/gen/".encode()
+        start = prefix + f"{after + 1:06d}".encode()  # not every generation of a long run
         next_look = answered = time.monotonic()
         while True:
-            kvs, revision = self._client.get_prefix(prefix)
+            kvs, revision = self._client.get_prefix(prefix, start=start)
             for kv in sorted(kvs, key=lambda kv: kv.key):
                 number = int(kv.key[len(prefix) :])
                 members = tuple(Member(**m) for m in self._decode(kv.key, kv.value))  # type: ignore[union-attr]
