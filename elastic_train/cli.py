@@ -6,6 +6,7 @@
                         [--log-format auto|json|console] [--SECTION.KEY=VALUE ...]
     elastic-train spawn --nproc N [--SECTION.KEY=VALUE ...]
     elastic-train rdzv reset --endpoint HOST:PORT --run-id ID [--key-prefix PREFIX]
+    elastic-train export SOURCE OUT_DIR
 
 Arguments this parser does not know are the trainer's own (``--config PATH``
 and ``--SECTION.KEY=VALUE`` overrides); they are checked by the trainer's
@@ -166,6 +167,39 @@ def _script_path(path: str) -> str:
     return str(script)
 
 
+def _add_export(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint's model weights as model.safetensors and model.pt",
+        description=textwrap.fill(
+            "Write the model weights of SOURCE into OUT_DIR as model.safetensors and "
+            "model.pt (a plain state dict for torch.load), each atomically. SOURCE is a "
+            "checkpoint directory (its newest complete step), one step-N directory, "
+            "whichever state file the run wrote into it (state.pt, or the node agent's "
+            "state.slot), or any file checkpoint.init_from accepts. Our checkpoints are "
+            "verified against their manifest before anything is unpickled."
+        ),
+    )
+    p.add_argument("source", metavar="SOURCE", help="a checkpoint or weights to read")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (made if absent)")
+    p.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from elastic_train.state.weights import complete_steps, export_weights, read_weights
+
+    source = Path(args.source).expanduser()
+    if steps := complete_steps(source):  # a checkpoint directory: say which step it was
+        source = steps[0][1]
+    weights = read_weights(str(source), key="SOURCE")
+    written = export_weights(weights, args.out_dir, key="OUT_DIR")
+    print(json.dumps({
+        "source": str(source), "tensors": len(weights),
+        "elements": sum(t.numel() for t in weights.values()), "files": [str(p) for p in written],
+    }))  # fmt: skip
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-train", description="Elastic, fault-tolerant PyTorch training."
@@ -207,6 +241,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [  # type: ign
     _add_local,
     add_spawn_subcommand,
     add_rdzv_subcommand,
+    _add_export,
 ]
 
 

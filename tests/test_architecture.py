@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "main": BASE | {"config", "agent", "training"},
     "api": BASE | {"config", "main", "training", "workload"},
     "launch": BASE | {"etcd", "main"},
-    "cli": BASE | {"agent", "config", "launch", "local"},
+    "cli": BASE | {"agent", "config", "launch", "local", "state"},  # state: export
     "torchrun_plugin": BASE | {"agent", "rendezvous"},
 }
 #: The bottom of the system: nothing of the trainer stack, not even transitively.

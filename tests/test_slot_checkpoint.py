@@ -4,6 +4,8 @@ as the node agent's writer leaves them: real files, read back with nothing unpic
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from elastic_train.cli import EXIT_USAGE
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.state.checkpoint_files import MANIFEST, SLOT_FILE, SLOT_FORMAT, STATE_FILE
 from elastic_train.state.snapshot_layout import ALGORITHM, HEADER_BYTES, pack, verify
@@ -40,6 +43,15 @@ def _write_slot(manager: CheckpointManager, step: int, state: dict, *, fingerpri
     manager.write_slot(
         step, raw, digest=header[ALGORITHM], metadata={**manager._metadata(step), "x": 1}
     )
+
+
+def _flip(offset_of: object) -> object:
+    def damage(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[offset_of(len(data))] ^= 0x10
+        path.write_bytes(bytes(data))
+
+    return damage
 
 
 def _assert_same(loaded: dict, state: dict) -> None:
@@ -96,15 +108,6 @@ def test_a_slot_checkpoint_is_mapped_not_read_into_memory(tmp_path: Path) -> Non
     assert peak < size // 8, f"{peak} bytes allocated by Python loading a {size}-byte slot"
 
 
-def _flip(offset_of: object) -> object:
-    def damage(path: Path) -> None:
-        data = bytearray(path.read_bytes())
-        data[offset_of(len(data))] ^= 0x10
-        path.write_bytes(bytes(data))
-
-    return damage
-
-
 def _truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 64])
@@ -143,3 +146,55 @@ def test_a_damaged_slot_checkpoint_falls_back_to_the_previous_good(tmp_path: Pat
     fallbacks = [e for e in logs if e["event"] == "checkpoint_fallback"]
     assert [e["step"] for e in fallbacks] == [2]
     assert SLOT_FILE in fallbacks[0]["reason"]
+
+
+# -- elastic-train export: a checkpoint's weights for torch.load -----------------------
+
+
+def _export(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "elastic_train.cli", "export", str(source), str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def _assert_exported(out: Path, weights: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    for loaded in (
+        torch.load(out / "model.pt", weights_only=True),
+        load_file(out / "model.safetensors"),
+    ):
+        assert loaded.keys() == weights.keys()
+        assert all(torch.equal(loaded[name], tensor) for name, tensor in weights.items())
+
+
+def test_export_writes_either_kind_of_checkpoint_as_plain_weights(tmp_path: Path) -> None:
+    """A script that torch.loads the weights gets them from a state.slot too."""
+    directory = tmp_path / "ckpt"
+    manager = CheckpointManager(directory, keep=3, fingerprint=FP, async_save=False, is_writer=True)
+    manager.save(1, _state(1.0))  # the trainer writer's state.pt
+    _write_slot(manager, 2, _state(2.0))  # the node agent's state.slot: the newest
+    done = _export(directory, tmp_path / "newest")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert Path(summary["source"]) == directory / "step-000000002"
+    assert summary["tensors"] == 2 and summary["elements"] == 4 * 3 + 3
+    _assert_exported(tmp_path / "newest", _state(2.0)["model"])
+    done = _export(directory / "step-000000001", tmp_path / "first")
+    assert done.returncode == 0, done.stderr
+    _assert_exported(tmp_path / "first", _state(1.0)["model"])
+
+
+def test_export_refuses_a_damaged_or_missing_source_and_writes_nothing(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep=3, fingerprint=FP, async_save=False, is_writer=True)
+    _write_slot(manager, 1, _state(1.0))
+    _flip(lambda n: HEADER_BYTES + 40)(tmp_path / "step-000000001" / SLOT_FILE)
+    for source, expected in (
+        (tmp_path, "unusable checkpoint: "),
+        (tmp_path / "nowhere", "no such file or directory"),
+    ):
+        done = _export(source, tmp_path / "out")
+        assert done.returncode == EXIT_USAGE, done.stderr
+        # The checkpoint directory's error names the step it tried.
+        assert f"elastic-train export: error: SOURCE = '{source}" in done.stderr
+        assert expected in done.stderr, done.stderr
+        assert not (tmp_path / "out").exists()

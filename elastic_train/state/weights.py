@@ -261,12 +261,16 @@ def resume_checkpoint(source: str) -> tuple[Path, int]:
 # -- export ---------------------------------------------------------------------
 
 
-def export_weights(weights: Mapping[str, torch.Tensor], directory: str | Path) -> list[Path]:
+def export_weights(
+    weights: Mapping[str, torch.Tensor], directory: str | Path,
+    *, key: str = "checkpoint.export_dir",
+) -> list[Path]:  # fmt: skip
     """Write ``model.safetensors`` and ``model.pt`` (a plain state dict) into
-    ``directory``, each atomically; returns their paths."""
+    ``directory``, each atomically; returns their paths. ``key`` names the
+    setting in every error."""
     target = Path(directory)
     tensors = _unshared({k: v.detach().cpu().contiguous() for k, v in weights.items()})
-    safetensors_torch = _safetensors("checkpoint.export_dir")
+    safetensors_torch = _safetensors(key)
     try:
         target.mkdir(parents=True, exist_ok=True)
         written = [
@@ -278,8 +282,7 @@ def export_weights(weights: Mapping[str, torch.Tensor], directory: str | Path) -
         fsync_path(target)
     except OSError as exc:
         raise CheckpointWriteError(
-            f"checkpoint.export_dir = {str(directory)!r}: exporting the final weights "
-            f"failed: {exc.strerror or exc}"
+            f"{key} = {str(directory)!r}: exporting the weights failed: {exc.strerror or exc}"
         ) from exc
     return written
 
