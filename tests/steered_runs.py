@@ -132,8 +132,15 @@ def run_steered(
                 on_tick()
             time.sleep(TICK_S)
     finally:
-        proc.kill()
-        proc.wait()
+        if proc.poll() is None:  # a timeout, or pytest interrupted
+            # SIGTERM: the runner stops its node agents and etcd on the way out; a
+            # SIGKILL left them orphaned.
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     assert summary_path.is_file(), stderr_path.read_text()[-3000:]
     return json.loads(summary_path.read_text())  # type: ignore[no-any-return]
 
