@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -171,6 +173,21 @@ def _wait_until_stopped(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def _members(env: dict[str, str]) -> Iterator[list[subprocess.Popen[str]]]:
+    """Four members, each registered in generation 0; killed (stopped ones too) after."""
+    procs = [_start_member(rank, env) for rank in range(4)]
+    try:
+        assert [_answer(p) for p in procs] == [{"registered": r} for r in range(4)]
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(timeout=10)
+
+
 def _ask(procs: list[subprocess.Popen[str]]) -> list[dict]:
     for proc in procs:  # all ask before any answers
         assert proc.stdin is not None
@@ -182,10 +199,7 @@ def _ask(procs: list[subprocess.Popen[str]]) -> list[dict]:
 def test_survivors_agree_without_the_killed_and_the_stopped_member(
     etcd_endpoint: str, rdzv_secret_file: Path
 ) -> None:
-    env = _member_env(etcd_endpoint, rdzv_secret_file)
-    procs = [_start_member(rank, env) for rank in range(4)]
-    try:
-        assert [_answer(p) for p in procs] == [{"registered": r} for r in range(4)]
+    with _members(_member_env(etcd_endpoint, rdzv_secret_file)) as procs:
         procs[1].kill()
         procs[1].wait(timeout=10)
         os.kill(procs[3].pid, signal.SIGSTOP)
@@ -198,12 +212,6 @@ def test_survivors_agree_without_the_killed_and_the_stopped_member(
         os.kill(procs[3].pid, signal.SIGCONT)
         fenced = _ask(procs[3:])[0]
         assert "fenced out of generation 1" in fenced["fenced"], fenced
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-            proc.wait(timeout=10)
 
 
 def test_a_member_late_to_a_generation_joins_the_one_the_others_went_on_to(
@@ -212,10 +220,7 @@ def test_a_member_late_to_a_generation_joins_the_one_the_others_went_on_to(
     """Three members agree twice (they gave up on generation 1, which waited for the
     fourth); the fourth, late, comes to generation 2 with them, not to 1 alone. Once
     the others go on without it (it stopped), it is fenced out by the newest."""
-    env = _member_env(etcd_endpoint, rdzv_secret_file)
-    procs = [_start_member(rank, env) for rank in range(4)]
-    try:
-        assert [_answer(p) for p in procs] == [{"registered": r} for r in range(4)]
+    with _members(_member_env(etcd_endpoint, rdzv_secret_file)) as procs:
         everyone = ["node0", "node1", "node2", "node3"]
         for generation in (1, 2):
             answers = _ask(procs[:3])
@@ -233,12 +238,6 @@ def test_a_member_late_to_a_generation_joins_the_one_the_others_went_on_to(
         os.kill(procs[3].pid, signal.SIGCONT)
         fenced = _ask(procs[3:])[0]
         assert "fenced out of generation 4" in fenced["fenced"], fenced
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-            proc.wait(timeout=10)
 
 
 # -- leaving a group ----------------------------------------------------------------
