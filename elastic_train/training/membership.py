@@ -261,20 +261,34 @@ class Membership:
         failed collective took longer) finds the others gone on to a later one: they
         waited for it in ``number``'s store and gave up. It joins them there, or is
         fenced out by it, instead of forming ``number`` alone and timing out."""
-        prefix = f"{self._root}/gen/".encode()
         try:
-            kvs, _ = self._client.get_prefix(prefix, start=prefix + f"{number + 1:06d}".encode())
-            if not kvs:
-                return number, members
-            newest = max(kvs, key=lambda kv: kv.key)
-            decoded = self._decode(newest.key, newest.value)
+            later, _ = self._generations_from(number + 1)
         except ElasticTrainError as exc:
             raise InProcessRecoveryError(f"no agreement after generation {number}: {exc}") from exc
-        return int(newest.key[len(prefix) :]), tuple(Member(**m) for m in decoded)  # type: ignore[union-attr]
+        return later[-1] if later else (number, members)
+
+    @property
+    def _generations(self) -> bytes:
+        """The prefix of the generation keys (``{number:06d}`` follows it)."""
+        return f"{self._root}/gen/".encode()
+
+    def _generation_key(self, number: int) -> bytes:
+        return self._generations + f"{number:06d}".encode()
+
+    def _generations_from(self, number: int) -> tuple[list[tuple[int, tuple[Member, ...]]], int]:
+        """Generations ``number`` and later (not every one of a long run), oldest
+        first, each verified; and the revision they were read at."""
+        prefix = self._generations
+        kvs, revision = self._client.get_prefix(prefix, start=self._generation_key(number))
+        found = [
+            (int(kv.key[len(prefix) :]), tuple(Member(**m) for m in self._decode(kv.key, kv.value)))  # type: ignore[union-attr]
+            for kv in sorted(kvs, key=lambda kv: kv.key)
+        ]
+        return found, revision
 
     def _propose(self, number: int, proposal: list[Member]) -> tuple[bool, tuple[Member, ...]]:
         """Create generation ``number`` as ``proposal`` unless it exists; the winner."""
-        key = f"{self._root}/gen/{number:06d}".encode()
+        key = self._generation_key(number)
         try:
             value = self._codec.encode(key, json.dumps([asdict(m) for m in proposal]).encode())
             written, existing, _ = self._client.put_if_value(key, value, expected=None)
@@ -350,7 +364,7 @@ class Membership:
         if propose:
             _, members = self._propose(number, [*current.members, *joiners])
             return self._adopt(number, members)
-        key = f"{self._root}/gen/{number:06d}".encode()
+        key = self._generation_key(number)
         head, next_look = current.members[0], time.monotonic() + 1.0
         while (read := self._client.get(key))[0] is None:
             now = time.monotonic()
@@ -382,15 +396,11 @@ class Membership:
         ``head()`` is asked about once a second whether the group still answers: a
         group that went to the restart path admits nobody, so the joiner goes too
         once it has not answered for ``silence_s``."""
-        prefix = f"{self._root}/gen/".encode()
-        start = prefix + f"{after + 1:06d}".encode()  # not every generation of a long run
         next_look = answered = time.monotonic()
         while True:
-            kvs, revision = self._client.get_prefix(prefix, start=start)
-            for kv in sorted(kvs, key=lambda kv: kv.key):
-                number = int(kv.key[len(prefix) :])
-                members = tuple(Member(**m) for m in self._decode(kv.key, kv.value))  # type: ignore[union-attr]
-                if number > after and self.me.id in (m.id for m in members):
+            later, revision = self._generations_from(after + 1)
+            for number, members in later:
+                if self.me.id in (m.id for m in members):
                     return self._adopt(number, members)
             now = time.monotonic()
             if now > deadline:
@@ -407,7 +417,7 @@ class Membership:
                     )
                 next_look = now + 1.0
             until = min(next_look, deadline)
-            self._wait_change(prefix, prefix=True, revision=revision, until=until)
+            self._wait_change(self._generations, prefix=True, revision=revision, until=until)
 
     def stop_answering(self) -> None:
         """Leaving the group: the others' next liveness probe is refused at once."""
