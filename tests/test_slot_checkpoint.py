@@ -45,15 +45,6 @@ def _write_slot(manager: CheckpointManager, step: int, state: dict, *, fingerpri
     )
 
 
-def _flip(offset_of: object) -> object:
-    def damage(path: Path) -> None:
-        data = bytearray(path.read_bytes())
-        data[offset_of(len(data))] ^= 0x10
-        path.write_bytes(bytes(data))
-
-    return damage
-
-
 def _assert_same(loaded: dict, state: dict) -> None:
     for key, value in state["model"].items():
         assert torch.equal(loaded["model"][key], value)
@@ -106,6 +97,15 @@ def test_a_slot_checkpoint_is_mapped_not_read_into_memory(tmp_path: Path) -> Non
         tracemalloc.stop()
     assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["step"] == 7
     assert peak < size // 8, f"{peak} bytes allocated by Python loading a {size}-byte slot"
+
+
+def _flip(offset_of: object) -> object:
+    def damage(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[offset_of(len(data))] ^= 0x10
+        path.write_bytes(bytes(data))
+
+    return damage
 
 
 def _truncate(path: Path) -> None:
