@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,19 @@ def log_events(log: Path, name: str) -> list[dict]:
     """The structured log events ``name`` in a node's log (JSON lines among others)."""
     lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
     return [e for e in map(json.loads, lines) if e.get("event") == name]
+
+
+def worker_events(run_dir: Path, name: str) -> list[dict]:
+    """The structured log lines ``name`` of every process, with their epoch ``time``."""
+    found = []
+    for path in (run_dir / "logs").glob("*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if f'"{name}"' not in line or not line.startswith("{"):
+                continue
+            event = json.loads(line)
+            stamp = event["timestamp"].replace("Z", "+00:00")
+            found.append({**event, "time": datetime.fromisoformat(stamp).timestamp()})
+    return found
 
 
 def run_chaos(run_dir: Path, cluster: list[str], *args: str, timeout: float = 240) -> dict:

@@ -33,6 +33,13 @@ broadcast to a joiner) writes it (the time, its node) and, before the state
 leaves, kills its node (the torchrun agent, then itself), or with
 ``model.options.sending_state_fault=stop`` SIGSTOPs itself: its sockets stay open.
 
+``model.options.stop_first_step_at_world``: a world size N, with
+``model.options.stop_marker``, a path. The first rank 1 to start a step in a
+group of N after stepping in a group of another size (the first step after a
+re-form) writes the marker (the time, its node) and SIGSTOPs itself before its
+all-reduce, once per run: rank 0 waits inside the all-reduce of a group's
+first step, where nothing but the collective's timeout wakes it.
+
 The probe needs one backward per step (``training.micro_batch_size=0``).
 """
 
@@ -106,6 +113,8 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
     seen, steps = [0], [0]
     hold_at, hold = int(cfg.options.get("hold_at_step", 0)), float(cfg.options.get("hold_s", 0))
     first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    stop_world, worlds = int(cfg.options.get("stop_first_step_at_world", 0)), [0]
+    stop_marker = Path(str(cfg.options.get("stop_marker", "stop-marker")))
 
     def on_grad(grad: torch.Tensor) -> torch.Tensor:
         # A tensor hook runs before the gradient is accumulated, so before
@@ -113,6 +122,11 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
         seen[0] += 1
         if seen[0] == len(params):
             seen[0], steps[0] = 0, steps[0] + 1
+            world, before = _world_size(), worlds[0]
+            worlds[0] = world
+            first_after_reform = before not in (0, world)
+            if stop_world == world and first_after_reform and _rank() == 1 and _claim(stop_marker):
+                os.kill(os.getpid(), signal.SIGSTOP)
             held = hold if steps[0] == hold_at and first_start else _paced(pause, pause_file)
             if held and (_rank() != 0 or _world_size() == 1):
                 time.sleep(held)  # a world of one keeps the pace, with no all-reduce to wait in
@@ -127,13 +141,8 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
 def _die_if_sending_state(marker: Path, *, stop: bool) -> None:
     if _rank() != 0 or not _in_function("take_newest"):
         return
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
+    if not _claim(marker):
         return  # once per run: the next holder sends
-    node = os.environ.get("ELASTIC_TRAIN_NODE")
-    os.write(fd, json.dumps({"time": time.time(), "node": node, "pid": os.getpid()}).encode())
-    os.close(fd)
     if stop:
         os.kill(os.getpid(), signal.SIGSTOP)
         return
@@ -143,6 +152,19 @@ def _die_if_sending_state(marker: Path, *, stop: bool) -> None:
     for process in reversed(tree):
         process.kill()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _claim(marker: Path) -> bool:
+    """Write ``marker`` (the time, this node and pid) unless it exists: the fault's
+    once per run, and when and where it struck."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    node = os.environ.get("ELASTIC_TRAIN_NODE")
+    os.write(fd, json.dumps({"time": time.time(), "node": node, "pid": os.getpid()}).encode())
+    os.close(fd)
+    return True
 
 
 def _in_function(name: str) -> bool:

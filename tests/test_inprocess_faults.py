@@ -31,13 +31,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from chaos_runs import assert_ran_exactly_once, assert_same_end, log_events, worker_records
+from chaos_runs import (
+    assert_ran_exactly_once,
+    assert_same_end,
+    log_events,
+    worker_events,
+    worker_records,
+)
 from fault_hooks import probe_lines
 from steered_runs import Pace, forked_reference, run_steered
 from torch_support import needs_inprocess
@@ -280,19 +286,6 @@ def test_kills_recover_in_process_long_before_the_pg_timeout(
         assert recovery["seconds"] < PG_TIMEOUT_S / 3, (recovery, why)
 
 
-def _worker_events(run_dir: Path, name: str) -> list[dict]:
-    """The structured log lines ``name`` of every process, with their epoch ``time``."""
-    found = []
-    for path in (run_dir / "logs").glob("*.log"):
-        for line in path.read_text(errors="replace").splitlines():
-            if f'"{name}"' not in line or not line.startswith("{"):
-                continue
-            event = json.loads(line)
-            stamp = event["timestamp"].replace("Z", "+00:00")
-            found.append({**event, "time": datetime.fromisoformat(stamp).timestamp()})
-    return found
-
-
 #: the log events that tell how a recovery went, for a failing assertion's message
 _RECOVERY_EVENTS = (
     "inprocess_recovery_started", "membership_agreed", "inprocess_reform_failed",
@@ -308,7 +301,7 @@ def _after(run_dir: Path, since: float) -> list[str]:
              for r in worker_records(run_dir, "resume") if r["time"] > since]  # fmt: skip
     for name in _RECOVERY_EVENTS:
         found += [(e["time"], f"{e['node']} {name} {e.get('members') or e.get('error', '')}")
-                  for e in _worker_events(run_dir, name) if e["time"] > since]  # fmt: skip
+                  for e in worker_events(run_dir, name) if e["time"] > since]  # fmt: skip
     return [f"+{t - since:.2f}s {line}" for t, line in sorted(found)]
 
 
@@ -331,9 +324,9 @@ def test_a_stopped_worker_is_removed_in_process_within_the_watchdog_bound(
     # The stopped worker, resumed at the end, may still log: its watchdog firing,
     # or its own recovery finding it fenced out. The survivor's logs are checked.
     stopped = f"node{stop['node']}"
-    survivor = [e for e in _worker_events(run_dir, "worker_hang_detected") if e["node"] != stopped]
+    survivor = [e for e in worker_events(run_dir, "worker_hang_detected") if e["node"] != stopped]
     assert not survivor, survivor
-    (agreed,) = [e for e in _worker_events(run_dir, "membership_agreed")
+    (agreed,) = [e for e in worker_events(run_dir, "membership_agreed")
                  if e["node"] != stopped and e["time"] > event["time"]]  # fmt: skip
     assert [m.split("/")[0] for m in agreed["dead"]] == [stopped], agreed
     # The frozen node never exits by itself: the runner stopped it after --finish-grace.
@@ -380,6 +373,10 @@ def test_the_step_timeout_follows_the_step_time_under_half_the_watchdog() -> Non
         assert [step(0.1) for _ in range(2)] == [PG_TIMEOUT_S, 4.0]  # its first step: full
         timeout.floor_s = 1.0
         assert step(0.1) == 2.0  # 10 x 0.1 s x 2
+        # A failure's re-form whose members all stepped before: its first step gets
+        # twice the bound (new loader workers, DDP's first buckets), not the full limit.
+        timeout.attach("gloo", warm=True)
+        assert [step(0.1) for _ in range(2)] == [4.0, 2.0]
         off = StepTimeout(full_s=PG_TIMEOUT_S, multiple=0.0, floor_s=2.0, watchdog=None,
                           clock=lambda: now[0])  # fmt: skip
         off.attach("gloo")

@@ -24,6 +24,8 @@ log = get_logger(__name__)
 #: Step intervals the adaptive step timeout needs before it shortens anything,
 #: and how many recent ones its median reads.
 _MIN_INTERVALS, _INTERVALS = 3, 20
+#: A warm group's first step: this times the usual bound (StepTimeout.attach).
+_FIRST_STEP_FACTOR = 2.0
 
 
 class StepTimeout:
@@ -36,11 +38,12 @@ class StepTimeout:
     between completed steps), under ``pg_timeout_seconds`` and half the
     watchdog's limit (the recovery must begin before the watchdog fires). A
     re-form's own collectives get the floor (:meth:`bounded`). Outside steps
-    (saves, evaluation, forming the group), in a group's first step (DDP's first
-    buckets, new loader workers) and until a few step times are known it is
-    ``pg_timeout_seconds``. A timeout that no failure caused costs one re-form
-    with the same members and doubles the floor, so a slow machine cannot loop.
-    Gloo only (NCCL untested here).
+    (saves, evaluation, forming the group) and until a few step times are known
+    it is ``pg_timeout_seconds``; so is a group's first step unless the group is
+    ``warm`` (:meth:`attach`), where it gets twice the usual bound (DDP's first
+    buckets, new loader workers). A timeout that no failure caused costs one
+    re-form with the same members and doubles the floor, so a slow machine
+    cannot loop. Gloo only (NCCL untested here).
     """
 
     def __init__(
@@ -51,18 +54,25 @@ class StepTimeout:
         self._watchdog, self._clock = watchdog, clock
         self._intervals: deque[float] = deque(maxlen=_INTERVALS)
         self._last_done: float | None = None
-        self._first = True  # the group's first step: the full limit
+        self._first = True  # the group's first step
+        self._warm = False  # ... is bounded too (attach)
         self._backend: str | None = None  # "gloo" where the group's timeout can be set
         #: the timeout of the step in flight when it is shorter than full_s, else None
         self.short_s: float | None = None
         self._warned = False
 
-    def attach(self, backend: str, *, scale: float = 1.0) -> None:
+    def attach(self, backend: str, *, scale: float = 1.0, warm: bool = False) -> None:
         """Follow the current default group (after each formation). The step times
         so far carry over times ``scale`` (old world / new world: each rank's share
-        of the global batch grows); the interval over the re-form is not one."""
+        of the global batch grows); the interval over the re-form is not one.
+
+        ``warm``: every member stepped in the group before and nothing recompiles,
+        so the first step differs from the others only by DDP's first buckets and
+        new loader workers: twice the usual bound, not ``pg_timeout_seconds``. A
+        joiner's cold first step (lazy kernels, first allocations) or a
+        ``torch.compile`` recompile for the new per-rank batch is not warm."""
         self._intervals = deque((i * scale for i in self._intervals), maxlen=_INTERVALS)
-        self._last_done, self.short_s, self._first = None, None, True
+        self._last_done, self.short_s, self._first, self._warm = None, None, True, warm
         self._backend = backend if self.multiple > 0 and _set_timeout(backend, None) else None
         if self._backend is None and self.multiple > 0 and not self._warned:
             self._warned = True
@@ -71,9 +81,11 @@ class StepTimeout:
 
     def current(self) -> float:
         """The timeout the next step gets."""
-        if self._first or len(self._intervals) < _MIN_INTERVALS:
+        if (self._first and not self._warm) or len(self._intervals) < _MIN_INTERVALS:
             return self.full_s
         adaptive = max(self.floor_s, self.multiple * statistics.median(self._intervals))
+        if self._first:
+            adaptive *= _FIRST_STEP_FACTOR
         limit = self.full_s if self._watchdog is None else min(self.full_s, self._watchdog() / 2)
         return min(adaptive, limit)
 
