@@ -57,18 +57,19 @@ def test_a_peer_stopped_in_the_first_step_after_a_re_form_is_removed_at_the_step
     assert marker.is_file(), "no worker stopped in a first step at world size 2"
     stopped = json.loads(marker.read_text())
 
-    def survivors(name: str) -> list[dict]:
-        return [e for e in worker_events(run_dir, name)
-                if e["time"] > stopped["time"] and e["node"] != stopped["node"]]  # fmt: skip
+    def survivor(name: str) -> list[dict]:
+        return [e for e in worker_events(run_dir, name) if e["node"] != stopped["node"]]
 
-    hangs = survivors("worker_hang_detected")
+    hangs = survivor("worker_hang_detected")
     assert not hangs, hangs  # the watchdog, not the step timeout, ended the wait
-    (started,) = survivors("inprocess_recovery_started")
-    (recovered,) = survivors("inprocess_recovered")
+    # By the world size of the group they left (the stopped worker may stop before
+    # the survivor logs the end of the first recovery).
+    (started,) = [e for e in survivor("inprocess_recovery_started") if e["world_size"] == 2]
+    (recovered,) = [e for e in survivor("inprocess_recovered") if e["world_size"] == 1]
     # The failed step was the group's first, and its limit was the step timeout's,
     # not pg_timeout_seconds (60 s).
     assert started["step_timeout_s"] <= WATCHDOG_S / 2, started
-    assert recovered["world_size"] == 1 and recovered["lost_steps"] <= 1, recovered
+    assert recovered["lost_steps"] <= 1, recovered
     assert recovered["time"] - stopped["time"] < WATCHDOG_S, (stopped, recovered)
-    (agreed,) = survivors("membership_agreed")
+    (agreed,) = [e for e in survivor("membership_agreed") if e["world_size"] == 2]
     assert [m.split("/")[0] for m in agreed["dead"]] == [stopped["node"]], agreed

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from steered_runs import Pace, run_steered
+from steered_runs import JOIN_WAIT_S, Pace, run_steered
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from trainer_procs import TINY_JOB
 
@@ -403,8 +403,10 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
     joins again, and node0's zygote is killed once it forked node0's first worker.
     Every worker start of every node goes through a zygote (node0's agent replaces
     its dead one before the next round) and the data is still seen exactly once.
-    The forwards pause 0.1 s until both nodes train again (``steered_runs``): on a
-    loaded machine a late rejoin still lands before the last step."""
+    The forwards pause 0.1 s, and from node1's kill until both nodes train again at
+    least ``JOIN_WAIT_S`` (``steered_runs``): on a loaded machine a late rejoin still
+    lands before the last step (at 0.1 s, node1's agent once took 7 s to start and
+    the run ended first)."""
     run = tmp_path / "run"
     pace = Pace(tmp_path / "pause", 0.1)
     killed: list[psutil.Process] = []
@@ -424,7 +426,8 @@ def test_two_torchrun_nodes_start_every_worker_warm_and_train_exactly_once(
         "--elastic.recovery=restart",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
-    summary = run_steered(run, command, pace=pace, nodes=2, env=env, on_tick=kill_zygote)
+    summary = run_steered(run, command, pace=pace, nodes=2, env=env, on_tick=kill_zygote,
+                          join_wait=JOIN_WAIT_S)  # fmt: skip
     assert killed, "node0's zygote never forked a worker"
     assert summary["completed"] and summary["final_step"] == E2E_STEPS, summary
     assert summary["exactly_once"], summary["exactly_once_detail"]
