@@ -34,11 +34,12 @@ leaves, kills its node (the torchrun agent, then itself), or with
 ``model.options.sending_state_fault=stop`` SIGSTOPs itself: its sockets stay open.
 
 ``model.options.stop_first_step_at_world``: a world size N, with
-``model.options.stop_marker``, a path. The first rank 1 to start a step in a
-group of N after stepping in a group of another size (the first step after a
-re-form) writes the marker (the time, its node) and SIGSTOPs itself before its
-all-reduce, once per run: rank 0 waits inside the all-reduce of a group's
-first step, where nothing but the collective's timeout wakes it.
+``model.options.stop_marker``, a path. The first rank 1 to reach its gradient
+all-reduce in a group of N after steps in a group of another size (the first
+step after a re-form that changed the world size) writes the marker (the time,
+its node) and SIGSTOPs itself there, once per run: rank 0 waits inside the
+all-reduce of a group's first step, where nothing but the collective's timeout
+wakes it.
 
 The probe needs one backward per step (``training.micro_batch_size=0``).
 """
