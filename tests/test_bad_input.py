@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import pickle
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +34,14 @@ TINY = (
 )  # fmt: skip
 
 
-def _trainer(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+def _trainer(
+    *args: str, launch: tuple[str, ...] = ("-m", "elastic_train.main")
+) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join([str(REPO / "examples"), str(REPO / "tests")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.run(
-        [sys.executable, "-m", "elastic_train.main", *args],
-        capture_output=True, text=True, timeout=120, env=env, **kwargs,  # type: ignore[arg-type]
-    )  # fmt: skip
+        [sys.executable, *launch, *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 @pytest.mark.parametrize(
@@ -198,10 +198,18 @@ def test_foreign_and_non_checkpoints_are_refused(tmp_path: Path) -> None:
     assert resume["restored_step"] == 4
 
 
-def _limit_file_size() -> None:
-    # Small enough for no checkpoint, large enough for progress.json. Python
-    # ignores SIGXFSZ, so a write past the limit fails with EFBIG.
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+#: The trainer under a file-size limit small enough for no checkpoint and large
+#: enough for progress.json (Python ignores SIGXFSZ: a write past it fails with
+#: EFBIG). Set by the child before it execs the trainer, not by a ``preexec_fn``:
+#: that runs in a plain fork of this process, where gRPC (the etcd tests' clients)
+#: restarts its poller thread, and subprocess then closes the poller's epoll fd:
+#: the child aborted before its exec (SIGABRT, "Epoll1Poller encountered
+#: epoll_wait error: Bad file descriptor"; grpc/grpc#43055), once in a CI run.
+LIMITED_FILE_SIZE = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY)); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'elastic_train.main', *sys.argv[1:]])"
+)
 
 
 @pytest.mark.slow
@@ -210,7 +218,7 @@ def test_consecutive_checkpoint_failures_end_the_worker(tmp_path: Path) -> None:
     proc = _trainer(
         *TINY, "--training.steps=20", f"--checkpoint.dir={directory}",
         "--checkpoint.max_consecutive_failures=3", "--checkpoint.async_save=false",
-        preexec_fn=_limit_file_size,
+        launch=("-c", LIMITED_FILE_SIZE),
     )  # fmt: skip
     assert proc.returncode == EXIT_CHECKPOINT_FAILURES, proc.stderr[-2000:]
     events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
