@@ -115,7 +115,7 @@ class JoinWatch:
         current = self._membership.current
         assert current is not None
         nodes = {m.node for m in current.members}
-        ids, room = {m.id for m in current.members}, self._membership.access.max_nodes
+        ids, room = current.ids, self._membership.access.max_nodes
         pending = [m for m in self._requests if m.id not in ids]
         fits = [m for m in pending if m.node in nodes or len(nodes) < room]
         return fits, nodes
@@ -245,7 +245,7 @@ def switch(t: Trainer) -> None:
     assert ip is not None and ip.forming is not None
     forming, ip.forming, ip.forming_verdict = ip.forming, None, None
     started, began = time.perf_counter(), time.time()
-    old_world, old_ids = t.ctx.world_size, {m.id for m in forming.members}
+    old_world, old_ids = t.ctx.world_size, frozenset(m.id for m in forming.members)
     gen, background = forming.gen, forming.seconds
     assert gen is not None
     failure = None
@@ -267,7 +267,7 @@ def admit(t: Trainer) -> None:
     ip = t.inprocess
     assert ip is not None
     started, began = time.perf_counter(), time.time()
-    old_world, old_ids = t.ctx.world_size, {m.id for m in ip.membership.current.members}  # type: ignore[union-attr]
+    old_world, old_ids = t.ctx.world_size, ip.membership.current.ids  # type: ignore[union-attr]
     joiners: list[Member] = []
     if ip.joins is not None:
         joiners = ip.joins.admissible(probe_timeout=ip.probe_seconds)
@@ -286,7 +286,7 @@ def admit(t: Trainer) -> None:
 
 
 def _admitted(
-    t: Trainer, gen: Generation, *, old_world: int, old_ids: set[str], started: float,
+    t: Trainer, gen: Generation, *, old_world: int, old_ids: frozenset[str], started: float,
     began: float, **extra: Any,
 ) -> None:  # fmt: skip
     """The metric and the log line of an admission; ``extra``: its timings."""

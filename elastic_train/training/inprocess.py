@@ -294,7 +294,8 @@ def regroup(
     assert ip is not None
     # A failure's re-form keeps warm members only, unless a newer generation let a
     # joiner in; an admission's (``first``) brings a cold one (StepTimeout.attach).
-    stepped = None if first is not None or joining else _member_ids(ip.membership.current)
+    gen = ip.membership.current
+    stepped = None if first is not None or joining or gen is None else gen.ids
     abort_group(t, planned=planned)
     was_main, old_world = t.ctx.is_main, t.ctx.world_size
     in_flight = rollback.rewind(t)
@@ -307,7 +308,8 @@ def regroup(
         timed_out = failed or (ip.timeout.short_s is not None and first is None)
         if timed_out and t.ctx.world_size == old_world:
             ip.timeout.widen()
-        warm = stepped is not None and _member_ids(ip.membership.current) <= stepped
+        now = ip.membership.current
+        warm = stepped is not None and now is not None and now.ids <= stepped
         ip.timeout.attach(t.ctx.backend, scale=old_world / t.ctx.world_size,
                           warm=warm and not t.cfg.training.compile)  # fmt: skip
         old_world = t.ctx.world_size
@@ -325,10 +327,6 @@ def regroup(
         raise InProcessRecoveryError(f"a peer failed in each of {ip.max_reforms} state transfers")
     rebuild(t, ip.hooks, was_main=was_main, joining=joining)
     return in_flight, {name: round(seconds, 4) for name, seconds in timings.items()}
-
-
-def _member_ids(gen: Generation | None) -> set[str]:
-    return {m.id for m in gen.members} if gen is not None else set()
 
 
 def _form(

@@ -142,6 +142,10 @@ class Generation:
         return len({m.node for m in self.members})
 
     @property
+    def ids(self) -> frozenset[str]:
+        return frozenset(m.id for m in self.members)
+
+    @property
     def round_nodes(self) -> int:
         """Nodes whose workers came from the rendezvous round (not an async join)."""
         return len({m.node for m in self.members if not m.joined})
