@@ -104,6 +104,13 @@ def _add_local(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument("--quiet", action="store_true", help="no live progress")
     p.add_argument(
+        "--no-timeline",
+        dest="timeline",
+        action="store_false",
+        help="do not draw RUN_DIR/timeline.png at the end (it takes matplotlib a second or "
+        "two); summary.json is written either way",
+    )
+    p.add_argument(
         "--print-config",
         action="store_true",
         help="print the trainer's effective config as TOML (the runner's own settings "
@@ -148,7 +155,13 @@ def _run_local(args: argparse.Namespace, trainer_args: list[str]) -> int:
         print(effective_config_toml(spec, run_dir=args.run_dir), end="")
         return EXIT_OK
     with open_board(quiet=args.quiet) as progress:
-        summary = run_local(spec, run_dir=args.run_dir, progress=progress, json_path=args.json)
+        summary = run_local(
+            spec,
+            run_dir=args.run_dir,
+            progress=progress,
+            json_path=args.json,
+            timeline=args.timeline,
+        )
     doc = summary.to_json()
     brief = {k: doc[k] for k in ("completed", "final_step", "final_loss", "exactly_once")}
     print(json.dumps({**brief, "recoveries": doc["recoveries"], "run_dir": doc["run_dir"]}))

@@ -44,7 +44,7 @@ def run_kill_then_join(run_dir: Path, *args: str) -> dict:
     summary_path = run_dir / "out" / "summary.json"
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", *KILL_THEN_JOIN,
-        "--json", str(summary_path), "--run-dir", str(run_dir), "--quiet",
+        "--json", str(summary_path), "--run-dir", str(run_dir), "--quiet", "--no-timeline",
         "--timeout", "240", "--metrics-port", "0", *args,
     ]  # fmt: skip
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
@@ -143,7 +143,7 @@ def run_chaos(run_dir: Path, cluster: list[str], *args: str, timeout: float = 24
     summary_path = run_dir / "out" / "summary.json"
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", *cluster,
-        "--json", str(summary_path), "--run-dir", str(run_dir), "--quiet",
+        "--json", str(summary_path), "--run-dir", str(run_dir), "--quiet", "--no-timeline",
         "--timeout", str(timeout), "--metrics-port", "0", *args,
     ]  # fmt: skip
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout + 60)

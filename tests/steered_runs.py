@@ -112,7 +112,7 @@ def run_steered(
     summary_path = run_dir / "out" / "summary.json"
     # Ours first: whatever follows --script is the script's own command line.
     argv = [sys.executable, "-m", "elastic_train.cli", "local", "--json", str(summary_path),
-            "--quiet", *command]  # fmt: skip
+            "--quiet", "--no-timeline", *command]  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     stderr_path = run_dir.parent / f"{run_dir.name}-local.stderr"  # a pipe could fill up
     watch = RejoinWatch(run_dir / "audit", nodes=nodes)

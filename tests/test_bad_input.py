@@ -240,7 +240,8 @@ def test_a_config_error_found_while_building_ends_the_agents_instead_of_restarts
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2", "--min-nodes", "1",
-        "--run-dir", str(run_dir), "--quiet", "--timeout", "120", "--metrics-port", "0",
+        "--run-dir", str(run_dir), "--quiet", "--no-timeline", "--timeout", "120",
+        "--metrics-port", "0",
         "--model.name=char_transformer", "--data.name=synthetic", "--training.steps=5",
     ]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO)

@@ -34,7 +34,7 @@ def test_compiled_run_survives_a_kill_and_matches_an_uncompiled_one(tmp_path: Pa
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", "--nodes", "2", "--min-nodes", "1",
         "--chaos", "kill:1@step8", "--json", str(summary_path), "--run-dir", str(run_dir),
-        "--quiet", "--timeout", "400", "--metrics-port", "0", *TRAINER_ARGS,
+        "--quiet", "--no-timeline", "--timeout", "400", "--metrics-port", "0", *TRAINER_ARGS,
         "--training.compile=true", PACED, "--model.options.seconds=0.1",
     ]  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=480)

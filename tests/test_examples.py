@@ -110,7 +110,7 @@ def _run_local_example(name: str, run_dir: Path, *extra: str) -> dict[str, Any]:
         sys.executable, "-m", "elastic_train.cli", "local",
         "--config", str(EXAMPLES / name / "local.toml"), "--nodes", "3", "--min-nodes", "2",
         "--chaos", CHAOS, "--json", str(summary_path), "--run-dir", str(run_dir / "run"),
-        "--quiet", "--timeout", "400", "--metrics-port", "0", *extra,
+        "--quiet", "--no-timeline", "--timeout", "400", "--metrics-port", "0", *extra,
     ]  # fmt: skip
     done = subprocess.run(
         command, cwd=run_dir, env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -1,6 +1,6 @@
 """FSDP2 checkpoints through torch.distributed.checkpoint: saved at world 2, loaded at world 3.
 
-Real gloo process groups (``torch.multiprocessing`` spawn on CPU) run the
+Real gloo process groups (processes from the forkserver of ``tests/workers.py``, CPU) run the
 real pieces: ``fsdp.shard_model``, ``ShardedCheckpointManager`` and
 ``restore.restore_newest``. Each child writes what it saw to a file the test
 compares: the full parameters and optimizer state (gathered with
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch_support import needs_fsdp2
+from workers import start_workers
 
 from elastic_train.config.job import TrainingConfig
 from elastic_train.errors import (
@@ -127,13 +127,13 @@ def _assert_same(saved: Any, loaded: Any, where: str) -> None:
 @needs_fsdp2
 @pytest.mark.slow
 def test_checkpoint_saved_at_world_2_loads_at_world_3_identically(tmp_path: Path) -> None:
-    mp.spawn(_save_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_workers(_save_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert steps == ["step-000000002", "step-000000003"]  # keep = 2; no temporaries left
     newest = tmp_path / "ckpt" / "step-000000003"
     assert {"MANIFEST.json", ".metadata", "state.pt"} <= {p.name for p in newest.iterdir()}
 
-    mp.spawn(_load_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
+    start_workers(_load_worker, args=(3, free_port(), str(tmp_path)), nprocs=3)
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert saved["optimizer"]["state"], "the optimizer state is part of the comparison"

@@ -31,13 +31,16 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 
 @pytest.mark.slow
 def test_kill_and_join_on_three_nodes_complete_exactly_once(chaos_run: tuple[dict, Path]) -> None:
-    summary, _ = chaos_run
+    summary, run_dir = chaos_run
     assert_completed_exactly_once(summary, steps=STEPS)
     assert f"{STEPS // 6} finished epochs" in summary["exactly_once_detail"]
     for recovery in summary["recoveries"]:
         assert recovery["seconds"] > 0 and recovery["lost_steps"] >= 0, recovery
     assert summary["nodes"] == {"node0": "exited(0)", "node1": "exited(0)", "node2": "exited(0)"}
     assert isinstance(summary["final_loss"], float)
+    # steered_runs passes --no-timeline: the summary, and no picture (test_timeline.py
+    # runs the default, which draws it)
+    assert (run_dir / "summary.json").is_file() and not (run_dir / "timeline.png").exists()
 
 
 @pytest.mark.slow

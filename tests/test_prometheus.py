@@ -304,7 +304,9 @@ def test_live_two_node_run_fills_the_dashboard_and_survives_a_kill(
         start = time.time()
         summaries: list = []
         runner = threading.Thread(
-            target=lambda: summaries.append(run_local(spec, run_dir=tmp_path / "run"))
+            target=lambda: summaries.append(
+                run_local(spec, run_dir=tmp_path / "run", timeline=False)
+            )
         )
         runner.start()
         try:

@@ -83,7 +83,8 @@ def _tracked_run(tmp_path: Path, *, nodes: int, chaos: str, recovery: str) -> di
     command = [
         sys.executable, "-m", "elastic_train.cli", "local", "--nodes", str(nodes),
         "--min-nodes", "1", "--chaos", chaos, "--json", str(summary_path),
-        "--run-dir", str(tmp_path), "--quiet", "--timeout", "240", "--metrics-port", "0",
+        "--run-dir", str(tmp_path), "--quiet", "--no-timeline", "--timeout", "240",
+        "--metrics-port", "0",
         "--data.name=synthetic", "--data.num_samples=1024", "--training.global_batch_size=16",
         f"--training.steps={STEPS}", "--checkpoint.interval_steps=5", "--elastic.snapshot=false",
         "--logging.log_every_steps=1", f"--logging.tensorboard_dir={tmp_path / 'tb'}",

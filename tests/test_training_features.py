@@ -1,7 +1,7 @@
 """Distributed evaluation, mixed precision and DDP communication hooks.
 
-The distributed cases run real gloo process groups (``torch.multiprocessing``
-spawn on CPU); each child writes its results to a file the test compares.
+The distributed cases run real gloo process groups (processes from the forkserver
+of ``tests/workers.py``, CPU); each child writes its results to a file the test compares.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import TensorDataset
+from workers import start_workers
 
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.server import free_port
@@ -97,7 +97,7 @@ def test_distributed_evaluation_equals_single_process_exactly(tmp_path: Path) ->
     plain = float(_loss_fn(logits, data.tensors[1]).detach().double().mean())
     assert math.isclose(single.loss, plain, rel_tol=1e-6)
 
-    mp.spawn(_eval_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
+    start_workers(_eval_worker, args=(3, free_port(), str(tmp_path)), nprocs=3)
     per_rank = [torch.load(tmp_path / f"eval-{r}.pt", weights_only=True) for r in range(3)]
     for size in (3, 2):
         reported = [per_rank[r][size] for r in range(size)]
@@ -180,7 +180,7 @@ def _hook_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_comm_hooks_keep_replicas_identical_and_close(tmp_path: Path) -> None:
-    mp.spawn(_hook_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_workers(_hook_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     results = {
         hook: [torch.load(tmp_path / f"{hook}-{r}.pt", weights_only=True) for r in range(2)]
         for hook in HOOKS

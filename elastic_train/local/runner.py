@@ -145,12 +145,14 @@ def run_local(
     run_dir: str | Path | None = None,
     progress: ProgressSink | None = None,
     json_path: str | Path | None = None,
+    timeline: bool = True,
 ) -> Summary:
     """Run the job to its end (or ``spec.timeout_s``); everything started is stopped.
 
     The summary goes to ``run_dir/summary.json`` and ``json_path``, also when
     the run is interrupted (Ctrl-C, SIGTERM): the interruption is re-raised
     after everything is stopped and what was audited so far is written.
+    ``timeline``: draw ``run_dir/timeline.png`` at the end (local/timeline.py).
     """
     if spec.rdzv_endpoint is None and spec.rdzv_backend in ETCD_BACKENDS:
         find_etcd_binary()  # no etcd: say how to install it before making anything
@@ -171,12 +173,13 @@ def run_local(
     for path in (run_dir / "summary.json", json_path):
         if path is not None:
             summary.write(path)
-    # supervisor.elapsed counts from the nodes' start: the origin of the chaos times.
-    origin = time.time() - supervisor.elapsed
-    timeline = write_timeline(
-        cluster.audit_dir, summary.recoveries, origin=origin, path=run_dir / TIMELINE_FILE
-    )
-    summary = replace(summary, timeline=None if timeline is None else str(timeline))
+    if timeline:
+        # supervisor.elapsed counts from the nodes' start: the origin of the chaos times.
+        origin = time.time() - supervisor.elapsed
+        drawn = write_timeline(
+            cluster.audit_dir, summary.recoveries, origin=origin, path=run_dir / TIMELINE_FILE
+        )
+        summary = replace(summary, timeline=None if drawn is None else str(drawn))
     log.info("local_run_finished", completed=summary.completed, run_dir=str(run_dir))
     if interrupted is not None:
         raise interrupted
