@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from chaos_runs import ENV, PACED_STEPS, assert_completed_exactly_once
+from chaos_runs import PACED_STEPS, assert_completed_exactly_once
 from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
+from workers import run_main
 
-from elastic_train.local.cluster import MAIN_SCRIPT
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.state.checkpoint_files import MANIFEST
 
@@ -66,12 +64,10 @@ def test_agent_writer_kill_join_and_resume_from_its_checkpoint(tmp_path: Path) -
     shutil.copytree(checkpoints / name, resumed / "ckpt" / name)
     # The model's options as the run's (they are part of the config fingerprint); the
     # pause file now says 0.
-    resume = [sys.executable, str(MAIN_SCRIPT), *STEERED_MLP,
-              f"--model.options.pause_file={pace.path}"]  # fmt: skip
-    proc = subprocess.run(
+    resume = [*STEERED_MLP, f"--model.options.pause_file={pace.path}"]
+    proc = run_main(  # python -m elastic_train.main, forked (tests/workers.py)
         [*resume, f"--logging.audit_dir={resumed / 'audit'}",
-         f"--checkpoint.dir={resumed / 'ckpt'}"],
-        env=ENV, capture_output=True, text=True, timeout=300,
+         f"--checkpoint.dir={resumed / 'ckpt'}"], timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f'"restored_step": {resume_step}' in proc.stdout + proc.stderr

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from workers import run_main
 
 from elastic_train.config.job import fingerprint
 from elastic_train.config.load import load_config
@@ -34,11 +35,13 @@ TINY = (
 )  # fmt: skip
 
 
-def _trainer(
-    *args: str, launch: tuple[str, ...] = ("-m", "elastic_train.main")
-) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join([str(REPO / "examples"), str(REPO / "tests")])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+def _trainer(*args: str, launch: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``python -m elastic_train.main ARGS`` (forked, tests/workers.py), or ``python
+    LAUNCH ARGS`` in a new interpreter."""
+    path = [str(REPO / "examples"), str(REPO / "tests")]
+    if not launch:
+        return run_main(args, sys_path=path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     return subprocess.run(
         [sys.executable, *launch, *args], capture_output=True, text=True, timeout=120, env=env
     )

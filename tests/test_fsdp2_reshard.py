@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch_support import needs_fsdp2
-from workers import start_workers
+from workers import run_main, start_workers
 
 from elastic_train.config.job import TrainingConfig
 from elastic_train.errors import (
@@ -230,17 +230,10 @@ def test_fsdp2_needs_torch_2_7(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_main_exits_78_on_an_unsupported_fsdp2_option(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     from elastic_train.errors import EXIT_CONFIG_ERROR
-    from elastic_train.local.cluster import MAIN_SCRIPT
 
     args = ["--training.parallel=fsdp2", "--training.precision=fp16", "--logging.format=json"]
-    proc = subprocess.run(
-        [sys.executable, str(MAIN_SCRIPT), *args, f"--checkpoint.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_main([*args, f"--checkpoint.dir={tmp_path}"])  # forked: tests/workers.py
     assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-2000:]
     assert "training.precision = 'fp16'" in proc.stderr
     assert "process_group_ready" not in proc.stderr  # refused before any process group

@@ -8,15 +8,14 @@ libraries that define them (safetensors, torch.save, a Hugging Face layout).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from workers import run_main
 
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.state.weights import check_weights, read_weights, resume_checkpoint
@@ -32,11 +31,8 @@ ATOL = 2e-6
 
 
 def _trainer(*args: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "elastic_train.main", *TINY, *args],
-        capture_output=True, text=True, timeout=180, env=env,
-    )  # fmt: skip
+    """``python -m elastic_train.main``, forked (tests/workers.py); its structured log."""
+    proc = run_main([*TINY, *args], timeout=180)
     events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     return proc, events
 

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
-from workers import start_workers
+from workers import run_main, start_workers
 
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.server import free_port
@@ -209,20 +206,20 @@ def test_trainer_checkpoints_scaler_and_powersgd_state(tmp_path: Path) -> None:
     pytest.importorskip("numpy")
     directory = tmp_path / "ckpt"
     job = [
-        sys.executable, "-m", "elastic_train.main", "--model.name=mlp",
+        "--model.name=mlp",
         "--data.name=synthetic", "--data.num_samples=64", "--training.global_batch_size=16",
         "--training.precision=fp16", "--training.comm_hook=powersgd",
         "--training.powersgd_start_iter=2", "--checkpoint.interval_steps=3",
         f"--checkpoint.dir={directory}", "--logging.format=json",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([*job, "--training.steps=6"], check=True, env=env, timeout=120)
+    first = run_main([*job, "--training.steps=6"])  # python -m elastic_train.main, forked
+    assert first.returncode == 0, first.stderr[-3000:]
     state = torch.load(directory / "step-000000006" / "state.pt", weights_only=True)
     assert state["precision"]["precision"] == "fp16"
     assert state["precision"]["scaler"]["scale"] > 0
     assert state["comm_hook"] == {"name": "powersgd", "powersgd_iter": 6}
-    resumed = subprocess.run([*job, "--training.steps=9"], check=True, env=env, timeout=120,
-                             capture_output=True, text=True)  # fmt: skip
+    resumed = run_main([*job, "--training.steps=9"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert '"restored_step": 6' in resumed.stderr
     final = torch.load(directory / "step-000000009" / "state.pt", weights_only=True)
     assert final["comm_hook"]["powersgd_iter"] == 9  # continued, not restarted at 0
