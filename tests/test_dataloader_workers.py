@@ -25,6 +25,7 @@ import torch
 from loader_data import loaded_indices, loader_workers, orphaned
 from steered_runs import JOIN_WAIT_S, Pace, forked_reference, run_steered
 from torch.utils.data import Dataset, IterableDataset
+from workers import run_main
 
 from elastic_train.config.args import parse_cli
 from elastic_train.config.job import DataConfig, JobConfig, TrainingConfig, fingerprint
@@ -205,10 +206,9 @@ SMALL = [
 
 def _train(tmp_path: Path, name: str, *args: str) -> dict[str, torch.Tensor]:
     audit = tmp_path / name
-    proc = subprocess.run(
-        [sys.executable, str(MAIN_SCRIPT), *SMALL, *args, f"--logging.audit_dir={audit}",
-         f"--checkpoint.dir={tmp_path / (name + '-ckpt')}"],
-        env=ENV, capture_output=True, text=True, timeout=180,
+    proc = run_main(  # python -m elastic_train.main, forked (tests/workers.py)
+        [*SMALL, *args, f"--logging.audit_dir={audit}",
+         f"--checkpoint.dir={tmp_path / (name + '-ckpt')}"], timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "prefetch_" not in proc.stderr  # the workers never fell out of step

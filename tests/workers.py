@@ -41,6 +41,10 @@ def _main_child(argv: list[str], out_dir: str, sys_path: list[str]) -> None:
         os.dup2(target, fd)
         os.close(target)
     torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 did for a new interpreter
+    # A forkserver child inherits "forkserver" as its start method; a new interpreter has
+    # the platform's default, which the DataLoader's workers use (forked from here, not
+    # from the server, which has not imported the trainer's data and writes elsewhere).
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = ["elastic_train.main", *argv]
     # The module's __main__ block, exit code included (it ends in exit_now).
     runpy.run_module("elastic_train.main", run_name="__main__", alter_sys=True)
@@ -51,9 +55,7 @@ def run_main(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m elastic_train.main ARGV``, forked from the forkserver: the same
     ``__main__`` block and exit code, without importing torch again (3-5 s of CPU a
-    launch on a 2-core box). ``sys_path`` goes in front, as PYTHONPATH would. Not for a
-    trainer with DataLoader workers: forked from this child, they died at once
-    (``test_dataloader_workers.py`` launches a new interpreter)."""
+    launch on a 2-core box). ``sys_path`` goes in front, as PYTHONPATH would."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="main-") as out_dir:
