@@ -169,17 +169,25 @@ def _wait_for_step(audit: Path, step: int, proc: subprocess.Popen[str]) -> int:
 
 @pytest.mark.slow
 def test_preload_starts_no_thread_and_leaves_cuda_alone() -> None:
+    # A CUDA build of torch refuses CUDA in a fork of a process that asked the driver
+    # anything (torch.cuda.is_available() is enough): the child reports that.
     code = (
-        "import json, sys, threading, torch\n"
+        "import json, os, sys, threading, torch\n"
         "from elastic_train.agent.zygote import preload\n"
         "preload()\n"
-        "print(json.dumps({'threads': threading.active_count(),\n"
+        "facts = {'threads': threading.active_count(),\n"
         "    'cuda': torch.cuda.is_initialized(), 'dynamo': 'torch._dynamo' in sys.modules,\n"
-        "    'trainer': 'elastic_train.training.loop' in sys.modules}))\n"
+        "    'trainer': 'elastic_train.training.loop' in sys.modules}\n"
+        "if os.fork() == 0:\n"
+        "    facts['child_refused_cuda'] = torch.cuda._is_in_bad_fork()\n"
+        "    print(json.dumps(facts), flush=True)\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     facts = json.loads(out.stdout)
-    assert facts == {"threads": 1, "cuda": False, "dynamo": True, "trainer": True}
+    assert facts == {"threads": 1, "cuda": False, "dynamo": True, "trainer": True,
+                     "child_refused_cuda": False}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -485,6 +493,6 @@ def test_a_users_own_script_is_forked_warm_and_keeps_its_exit_code(
     )  # fmt: skip
     assert (proc.returncode == 0) is (code == 0), proc.stderr[-3000:]
     report = json.loads((tmp_path / "rank0.json").read_text())
-    assert report == {"preloaded": True, "parent": ZYGOTE_NAME}, proc.stderr[-3000:]
+    assert report == {"preloaded": True, "parent": ZYGOTE_NAME, "cuda_bad_fork": False}, report
     if code:
         assert f"exitcode  : {code}" in proc.stderr, proc.stderr[-3000:]

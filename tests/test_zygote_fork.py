@@ -25,13 +25,22 @@ from elastic_train.agent.zygote import ZYGOTE_NAME
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the zygote is Linux only")
 
 #: argv[1]: "plain", "thread" (a thread runs when the agent forks), "changed" (the
-#: agent changes an import-time variable after the fork) or "usr1-ignored" (started
-#: as deploy/slurm/train.sbatch starts torchrun); argv[2]: a file it keeps open.
+#: agent changes an import-time variable after the fork), "usr1-ignored" (started
+#: as deploy/slurm/train.sbatch starts torchrun) or "cuda-refused" (torch refuses
+#: CUDA in a fork of the agent, as a CUDA build of torch does under torchrun);
+#: argv[2]: a file it keeps open.
 AGENT = """
 import json, os, signal, sys, threading, time
 import torch, torch.distributed.run  # what torchrun has imported when it creates the handler
+from torch.distributed.launcher.api import LaunchConfig
+from elastic_train.agent import zygote as zygote_module
 from elastic_train.agent.zygote import fork_early
 mode, kept = sys.argv[1], open(sys.argv[2])
+# What torchrun does before it creates the handler; a CUDA build of torch asks the
+# driver for its devices here, and refuses CUDA in every fork of this process after.
+LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+if mode == "cuda-refused":  # the CPU build's answer, overridden: what a CUDA build says
+    zygote_module._cuda_refused_here = lambda: True
 if mode == "thread":
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
 signal.signal(signal.SIGUSR2, lambda *_: None)  # a handler of the agent's: not the zygote's
@@ -89,13 +98,24 @@ def _named_zygote(pid: int) -> psutil.Process:
     return zygote
 
 
+def _booted(zygote: psutil.Process) -> bool:
+    """Whether the zygote runs a fresh interpreter (``python -c _BOOT``), not the agent's."""
+    return "from elastic_train.agent.zygote import main" in " ".join(zygote.cmdline())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("agent", ["plain"], indirect=True)
+@pytest.mark.parametrize("agent", ["plain", "cuda-refused"], indirect=True)
 def test_a_zygote_forked_from_the_agent_holds_nothing_of_it_and_trains_like_a_cold_start(
-    agent: tuple[subprocess.Popen, dict], tmp_path: Path
+    agent: tuple[subprocess.Popen, dict], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    """Where torch would refuse CUDA in the fork ("cuda-refused"), the forked zygote
+    execs a fresh interpreter in place: same process, same socket, workers still warm.
+    On 2026-11-29 every worker forked on an H200 failed with "Cannot re-initialize
+    CUDA in forked subprocess" until it did."""
     proc, facts = agent
     zygote = _named_zygote(facts["zygote"])
+    if request.node.callspec.params["agent"] == "cuda-refused":
+        assert _booted(zygote), zygote.cmdline()
     assert zygote.ppid() == proc.pid
     assert zygote.pid != proc.pid and os.getsid(zygote.pid) == zygote.pid  # its own session
     assert facts["kept"] not in [f.path for f in zygote.open_files()]

@@ -19,7 +19,9 @@ Two ways to start one. The torchrun plugin forks the agent itself
 (:func:`fork_early`) before the agent has a thread, an etcd channel or a
 metrics registry: torchrun has already imported torch there, so the zygote
 only imports the rest, while the agent sets up. A zygote that replaces a dead
-one, or an agent that had a thread already, spawns a fresh interpreter.
+one, or an agent that had a thread already, spawns a fresh interpreter. So does
+the forked one where torch would refuse CUDA in a fork of the agent (a CUDA
+build of torch: torchrun has asked the driver for its devices): it execs.
 Either way the zygote imports torch first and the trainer only once the agent
 has sent the workers' environment (:meth:`ZygoteProcess.release`):
 prometheus-client reads its multiprocess directory at import.
@@ -132,12 +134,8 @@ class ZygoteProcess:
     def _spawn(
         self, listener: socket.socket, environ: Mapping[str, str] | None
     ) -> subprocess.Popen[bytes]:
-        package_root = str(Path(__file__).resolve().parents[2])
         return subprocess.Popen(
-            [
-                sys.executable, "-c", _BOOT, package_root, str(listener.fileno()),
-                str(os.getpid()), str(self.directory),
-            ],
+            _boot_argv(listener.fileno(), os.getpid(), self.directory),
             pass_fds=(listener.fileno(),),
             env=environ,  # None: this process's, as the workers' will be
             stdin=subprocess.PIPE,  # EOF when this process is gone
@@ -235,12 +233,34 @@ def _forked_zygote(listener: socket.socket, pipe: int, agent_pid: int, directory
         os.dup2(pipe, 0)
         _close_descriptors_but(0, 1, 2, listener.fileno())
         _reset_signals_as_exec_does()
+        if _cuda_refused_here():
+            # torchrun asks torch.cuda.is_available() before it creates the rendezvous
+            # handler (LaunchConfig), and torch then refuses CUDA in every fork of the
+            # agent ("Cannot re-initialize CUDA in forked subprocess"): on a GPU each
+            # worker forked from here would fail. Become the spawned zygote instead.
+            os.set_inheritable(listener.fileno(), True)
+            os.execv(sys.executable, _boot_argv(listener.fileno(), agent_pid, directory))
         _zygote(listener, directory)
     except BaseException:
         with contextlib.suppress(BaseException):
             traceback.print_exc()
     finally:
         os._exit(1)  # whatever happened: never back into the agent's code
+
+
+def _boot_argv(listen_fd: int, agent_pid: int, directory: Path) -> list[str]:
+    """The command line of a spawned zygote (:func:`main`)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    return [sys.executable, "-c", _BOOT, package_root, str(listen_fd), str(agent_pid),
+            str(directory)]  # fmt: skip
+
+
+def _cuda_refused_here() -> bool:
+    """Whether torch would refuse to initialize CUDA in this process, a fork of one
+    that asked the CUDA driver anything (``torch.cuda.is_available()`` is enough).
+    Always False on a CPU-only build of torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda._is_in_bad_fork())
 
 
 def _reset_signals_as_exec_does() -> None:
