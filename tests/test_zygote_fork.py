@@ -110,8 +110,8 @@ def test_a_zygote_forked_from_the_agent_holds_nothing_of_it_and_trains_like_a_co
 ) -> None:
     """Where torch would refuse CUDA in the fork ("cuda-refused"), the forked zygote
     execs a fresh interpreter in place: same process, same socket, workers still warm.
-    On 2026-11-29 every worker forked on an H200 failed with "Cannot re-initialize
-    CUDA in forked subprocess" until it did."""
+    Before it did, every worker forked on an H200 failed with "Cannot re-initialize
+    CUDA in forked subprocess" (2026-11-29, docs/warm-start.md)."""
     proc, facts = agent
     zygote = _named_zygote(facts["zygote"])
     if request.node.callspec.params["agent"] == "cuda-refused":
