@@ -11,6 +11,7 @@ worker starts almost as fast as with ``fork``.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.context
 import os
 import runpy
 import subprocess
@@ -26,9 +27,16 @@ import torch.multiprocessing as mp
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "elastic_train.training.loop"]
 
 
+def _forkserver() -> multiprocessing.context.ForkServerContext:
+    """The forkserver context, its server preloading what every test worker imports."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 def start_workers(fn: Callable[..., None], *, args: tuple[Any, ...], nprocs: int) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes; raises if any fails."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    _forkserver()  # torch's start_processes takes the same context by its name
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=True)
 
 
@@ -56,8 +64,7 @@ def run_main(
     """``python -m elastic_train.main ARGV``, forked from the forkserver: the same
     ``__main__`` block and exit code, without importing torch again (3-5 s of CPU a
     launch on a 2-core box). ``sys_path`` goes in front, as PYTHONPATH would."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
+    context = _forkserver()
     with tempfile.TemporaryDirectory(prefix="main-") as out_dir:
         child = context.Process(target=_main_child, args=(list(argv), out_dir, list(sys_path)))
         child.start()
