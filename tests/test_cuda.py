@@ -18,7 +18,9 @@ node of one worker; what they check is what only a GPU exercises:
   which imported torch without initializing CUDA;
 - ``elastic-train local`` with more workers than GPUs trains on the CPU (its
   default of three nodes on one GPU failed with NCCL's "Duplicate GPU detected"
-  until the timeout), and refuses an explicit NCCL at once.
+  until the timeout), and refuses an explicit NCCL at once;
+- a worker that never used CUDA saves and restores its random generators
+  without initialising CUDA (no context on GPU 0 for a gloo worker).
 """
 
 from __future__ import annotations
@@ -203,3 +205,41 @@ def test_a_local_rank_without_its_gpu_is_refused_naming_both() -> None:
     count = torch.cuda.device_count()
     with pytest.raises(ConfigError, match=rf"LOCAL_RANK {count} needs GPU {count} .* {count} GPU"):
         worker_device(WorkerEnv(local_rank=count), ElasticConfig(backend="nccl"))
+
+
+_RNG_PROBE = """
+import json, torch
+from elastic_train.training.rng import capture_rng_state
+before = capture_rng_state()  # CUDA not initialised yet
+untouched = not torch.cuda.is_initialized()
+torch.zeros(1, device="cuda")
+saved = capture_rng_state()  # as a GPU worker saves it
+print(json.dumps({"cuda_in_state": "cuda" in before, "untouched": untouched,
+                  "saved_cuda": "cuda" in saved}))
+"""
+
+_RNG_CPU_WORKER = """
+import json, sys, torch
+from elastic_train.training.rng import capture_rng_state, restore_rng_state
+state = torch.load(sys.argv[1], weights_only=True)
+restore_rng_state(state)  # a state from a GPU worker, into a CPU worker
+again = capture_rng_state()
+print(json.dumps({"initialized": torch.cuda.is_initialized(), "cuda_in_state": "cuda" in again}))
+"""
+
+
+def test_rng_capture_leaves_cuda_alone_in_a_worker_that_never_used_it(tmp_path: Path) -> None:
+    """A gloo worker on a GPU host (more local nodes than GPUs) must not open a CUDA
+    context on GPU 0 just to save and restore its generators."""
+    saved = tmp_path / "rng.pt"
+    probe = _RNG_PROBE + f"torch.save(saved, {str(saved)!r})\n"
+    first = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=120, check=True)  # fmt: skip
+    assert json.loads(first.stdout) == {
+        "cuda_in_state": False,
+        "untouched": True,
+        "saved_cuda": True,
+    }
+    second = subprocess.run([sys.executable, "-c", _RNG_CPU_WORKER, str(saved)],
+                            capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    assert json.loads(second.stdout) == {"initialized": False, "cuda_in_state": False}

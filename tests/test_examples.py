@@ -133,8 +133,9 @@ def _assert_chaos_survived(summary: dict[str, Any], *, steps: int) -> None:
 def test_gpt2_example_survives_a_kill_and_a_join_exactly_once(tmp_path: Path) -> None:
     """A Hugging Face GPT-2 (dict batches, loss over the real tokens) on 3 nodes."""
     pytest.importorskip("transformers", reason="the examples extra: pip install -e '.[examples]'")
-    summary = _run_local_example("gpt2", tmp_path, "--training.epochs=8")
-    _assert_chaos_survived(summary, steps=8 * 20)  # 319 clauses, 16 a step: 20 steps an epoch
+    # 4 epochs end near a loss of 2.5 (2.2 after 8): half the suite time for the same check.
+    summary = _run_local_example("gpt2", tmp_path, "--training.epochs=4")
+    _assert_chaos_survived(summary, steps=4 * 20)  # 319 clauses, 16 a step: 20 steps an epoch
     # ln(257) = 5.55 for an untrained model; a trained one predicts the text's bytes.
     assert summary["final_loss"] < 3.0, summary["final_loss"]
 

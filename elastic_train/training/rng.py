@@ -30,9 +30,15 @@ def capture_torch_rng_state() -> dict[str, Any]:
 
     Python's and NumPy's states take 35 µs more; the step rewind of
     ``snapshot_on_failure`` captures only this part at each step's start.
+
+    CUDA's generators only once this process initialised CUDA: reading them
+    initialises it, and a gloo worker on a GPU host (``elastic-train local``
+    with more nodes than GPUs) would hold a CUDA context on GPU 0 for nothing.
+    A process that never initialised CUDA never drew from them either, so
+    their seeded start is all there is to restore.
     """
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
