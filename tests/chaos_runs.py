@@ -108,13 +108,20 @@ def worker_records(run_dir: Path, kind: str) -> list[dict]:
 
 
 def resumes_by_process(run_dir: Path) -> dict[str, list[tuple[str, int]]]:
-    """(source, world size) of each resume record, per worker process (audit file)."""
+    """(source, world size) of each resume record, per worker process (audit file)
+    that resumed at all.
+
+    A process without one never trained: on a loaded box the first round may
+    close without a late node's agent (``--min-nodes`` below ``--nodes``), and
+    the round that lets it in replaces workers that were still starting. A CI
+    run had such an empty file for two of three nodes.
+    """
     found: dict[str, list[tuple[str, int]]] = {}
     for path in sorted((run_dir / "audit").glob("worker-*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines()]
-        found[path.name] = [
-            (r["source"], r["world_size"]) for r in records if r["kind"] == "resume"
-        ]
+        starts = [(r["source"], r["world_size"]) for r in records if r["kind"] == "resume"]
+        if starts:
+            found[path.name] = starts
     return found
 
 
