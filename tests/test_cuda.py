@@ -20,14 +20,19 @@ node of one worker; what they check is what only a GPU exercises:
   default of three nodes on one GPU failed with NCCL's "Duplicate GPU detected"
   until the timeout), and refuses an explicit NCCL at once;
 - a worker that never used CUDA saves and restores its random generators
-  without initialising CUDA (no context on GPU 0 for a gloo worker).
+  without initialising CUDA (no context on GPU 0 for a gloo worker);
+- a zygote whose ``preload`` initialised CUDA exits rather than fork workers
+  that could not use it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -243,3 +248,21 @@ def test_rng_capture_leaves_cuda_alone_in_a_worker_that_never_used_it(tmp_path: 
     second = subprocess.run([sys.executable, "-c", _RNG_CPU_WORKER, str(saved)],
                             capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
     assert json.loads(second.stdout) == {"initialized": False, "cuda_in_state": False}
+
+
+def test_a_preload_that_initialises_cuda_ends_the_zygote(capfd: pytest.CaptureFixture[str]) -> None:
+    """Workers forked after CUDA started could not use it: the zygote exits instead."""
+    from elastic_train.agent.worker_entry import WorkerEntry
+    from elastic_train.agent.zygote import ZygoteProcess
+
+    parent = Path(tempfile.mkdtemp(prefix="et-cuda-"))  # a short path for the socket
+    zygote = ZygoteProcess(
+        WorkerEntry(str(MAIN_SCRIPT)), parent_dir=parent,
+        environ={**os.environ, "PRELOAD_PROBE_CUDA": "1"}, preload=["tests.preload_probe"],
+    )  # fmt: skip
+    try:
+        assert zygote.proc.wait(120) == 0
+    finally:
+        zygote.close()
+        shutil.rmtree(parent, ignore_errors=True)
+    assert "started CUDA; a fork of this process is not safe" in capfd.readouterr().err

@@ -496,3 +496,63 @@ def test_a_users_own_script_is_forked_warm_and_keeps_its_exit_code(
     assert report == {"preloaded": True, "parent": ZYGOTE_NAME, "cuda_bad_fork": False}, report
     if code:
         assert f"exitcode  : {code}" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_preload_key_names_modules_and_refuses_anything_else() -> None:
+    def preload(params: RendezvousParameters, environ: dict[str, str]) -> tuple[str, ...]:
+        return node_agent.AgentSettings.from_params(params, environ).preload
+
+    check_rdzv_conf(_params(preload="transformers"))  # the backend accepts the key
+    assert preload(_params(), {}) == ()
+    # '+' in rdzv-conf, which torchrun splits at commas; either in the variable
+    assert preload(_params(preload="transformers+torchvision.models"), {}) == (
+        "transformers", "torchvision.models",
+    )  # fmt: skip
+    assert preload(_params(), {"ELASTIC_TRAIN_PRELOAD": "a.b, c"}) == ("a.b", "c")
+    assert preload(_params(preload="x"), {"ELASTIC_TRAIN_PRELOAD": "y"}) == ("x",)
+    with pytest.raises(ConfigError, match=r"preload: 'torch/nn' is not a module name"):
+        preload(_params(preload="transformers+torch/nn"), {})
+
+
+def test_preloaded_modules_are_imported_once_in_the_zygote_not_in_each_worker(
+    tmp_path: Path, socket_parent: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A model library named by ``preload`` costs its import once per zygote, not once
+    per worker start (transformers: about 6 s here); a name that fails to import is
+    left to the workers, which report it."""
+    record = tmp_path / "imports"
+    probe = {"PRELOAD_PROBE_FILE": str(record)}
+    zygote = ZygoteProcess(
+        WorkerEntry(str(MAIN)), parent_dir=socket_parent, environ=_env(None) | probe,
+        preload=["tests.preload_probe", "no_such_module_here"],
+    )  # fmt: skip
+    try:
+        run = tmp_path / "w"
+        worker = _launch(zygote.socket_path, run, "model.name=tests.preload_probe:model", **probe)
+        assert worker.wait(120) == 0
+        assert _events(run.with_suffix(".err"), "warm_start_forked")
+        # The worker built its model from the module without importing it again.
+        assert record.read_text().split() == [str(zygote.pid)]
+    finally:
+        zygote.close()
+    assert "preload 'no_such_module_here' failed: ModuleNotFoundError" in capfd.readouterr().err
+
+
+def test_a_preload_that_starts_a_thread_ends_the_zygote_and_workers_start_cold(
+    socket_parent: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A fork copies one thread only: a zygote that a preload gave a thread is not safe to
+    fork from, so it exits; its socket then refuses launchers, which start cold
+    (``test_a_forked_worker_trains_exactly_like_a_cold_start``)."""
+    zygote = ZygoteProcess(
+        WorkerEntry(str(MAIN)), parent_dir=socket_parent,
+        environ=_env(None) | {"PRELOAD_PROBE_THREAD": "1"}, preload=["tests.preload_probe"],
+    )  # fmt: skip
+    try:
+        assert zygote.proc.wait(120) == 0
+        launcher = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with launcher, pytest.raises(ConnectionRefusedError):
+            launcher.connect(str(zygote.socket_path))
+    finally:
+        zygote.close()
+    assert "left 2 threads; a fork of this process is not safe" in capfd.readouterr().err

@@ -33,6 +33,9 @@ rdzv-conf key      environment variable             default
                                                     run ``elastic_train/main.py``;
                                                     ``1`` for any Python entry that
                                                     calls ``hand_over``; ``0`` off
+``preload``        ``ELASTIC_TRAIN_PRELOAD``        none; modules the zygote imports
+                                                    for the workers, joined by ``+``
+                                                    (``transformers+torchvision``)
 =================  ===============================  =================================
 
 ``metrics_dir`` is the *parent* of the per-run directory; only the per-run
@@ -78,7 +81,7 @@ __all__ = ["RDZV_CONF_KEYS", "AgentSettings", "NodeAgent", "NodeAgentHandler"]
 log = get_logger(__name__)
 
 #: The ``--rdzv-conf`` keys the node agent reads; the plugin tells the backend to accept them.
-RDZV_CONF_KEYS = frozenset({"metrics_port", "metrics_host", "metrics_dir", "warm_start"})
+RDZV_CONF_KEYS = frozenset({"metrics_port", "metrics_host", "metrics_dir", "warm_start", "preload"})
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class AgentSettings:
 
     metrics: MetricsEndpointConfig = field(default_factory=MetricsEndpointConfig)
     warm_start: bool | None = None
+    #: modules the zygote imports after the trainer (:func:`warm_start.parse_preload`)
+    preload: tuple[str, ...] = ()
 
     @classmethod
     def from_params(
@@ -95,9 +100,11 @@ class AgentSettings:
         """Parse the agent's rdzv-conf keys; :class:`ConfigError` names a bad one."""
         try:
             enabled = warm_start.parse_warm_start(agent_setting(params, "warm_start", environ))
+            preload = warm_start.parse_preload(agent_setting(params, "preload", environ))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        return cls(metrics=MetricsEndpointConfig.from_params(params, environ), warm_start=enabled)
+        metrics = MetricsEndpointConfig.from_params(params, environ)
+        return cls(metrics=metrics, warm_start=enabled, preload=preload)
 
     def zygote_entry(self, argv: Sequence[str]) -> WorkerEntry | None:
         """The entry a zygote should preload for, or None for no zygote (with the reason logged)."""
@@ -211,7 +218,7 @@ class NodeAgent:
             self._release_early_zygote()
         if self.zygote is None and self._entry is not None:
             try:
-                self.zygote = ZygoteProcess(self._entry)
+                self.zygote = ZygoteProcess(self._entry, preload=self._settings.preload)
             except OSError as exc:  # a zygote that cannot start only costs speed
                 log.warning("warm_start_unavailable", reason=str(exc))
                 return
@@ -228,7 +235,7 @@ class NodeAgent:
         zygote, self.zygote = self.zygote, None
         assert zygote is not None
         try:
-            zygote.release(os.environ)
+            zygote.release(os.environ, preload=self._settings.preload)
         except OSError as exc:  # it died while importing: one is spawned instead
             log.warning("warm_start_zygote_died", pid=zygote.pid, reason=str(exc))
             zygote.close()

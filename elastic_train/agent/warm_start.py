@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -72,6 +73,7 @@ IMPORT_TIME_ENV_PREFIXES = (
 READY_TIMEOUT_S = 30.0
 MAX_MESSAGE_BYTES = 1 << 20
 #: the accepted values of the ``warm_start`` rdzv-conf key
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _BOOLEANS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -93,6 +95,19 @@ def parse_warm_start(text: str | None) -> bool | None:
             f"warm_start={text!r} is invalid: expected one of 1, 0, true, false, on, off, auto"
         )
     return value
+
+
+def parse_preload(text: str | None) -> tuple[str, ...]:
+    """The ``preload`` rdzv-conf value: module names joined by ``+`` (torchrun splits
+    rdzv-conf at commas); ``ValueError`` names the key and the bad name."""
+    names = tuple(n.strip() for n in (text or "").replace(",", "+").split("+") if n.strip())
+    for name in names:
+        if not _MODULE_NAME.fullmatch(name):
+            raise ValueError(
+                f"preload: {name!r} is not a module name; expected dotted names joined "
+                "by '+', such as preload=transformers+torchvision.models"
+            )
+    return names
 
 
 def import_time_environ(environ: Mapping[str, str]) -> dict[str, str]:

@@ -108,6 +108,7 @@ class ZygoteProcess:
         parent_dir: Path | None = None,
         environ: Mapping[str, str] | None = None,
         fork: bool = False,
+        preload: Sequence[str] = (),
     ) -> None:
         self.entry = entry
         self.forked = fork
@@ -124,7 +125,7 @@ class ZygoteProcess:
                 _Forked.start(listener, self.directory) if fork else self._spawn(listener, environ)
             )
             if not fork:
-                self.release(os.environ if environ is None else environ)
+                self.release(os.environ if environ is None else environ, preload=preload)
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
@@ -146,13 +147,18 @@ class ZygoteProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def release(self, environ: Mapping[str, str]) -> None:
-        """Send the entry and the workers' environment: the zygote imports the trainer, then serves.
+    def release(self, environ: Mapping[str, str], *, preload: Sequence[str] = ()) -> None:
+        """Send the entry, the workers' environment and the modules to preload: the
+        zygote imports the trainer and those, then serves.
 
         On the pipe, not argv or the environment: the forked workers would show them.
         """
         assert self.proc.stdin is not None
-        message = {"entry": [self.entry.target, self.entry.is_module], "environ": dict(environ)}
+        message = {
+            "entry": [self.entry.target, self.entry.is_module],
+            "environ": dict(environ),
+            "preload": list(preload),
+        }
         self.proc.stdin.write(json.dumps(message).encode() + b"\n")
         self.proc.stdin.flush()
 
@@ -390,7 +396,7 @@ def _zygote(listener: socket.socket, directory: Path) -> NoReturn:
     # Before the imports, some of which set variables of their own (torch's inductor).
     imported_with = warm_start.import_time_environ(os.environ)
     preload(TORCH_PRELOADED)
-    entry, environ = _read_release()
+    entry, environ, extra = _read_release()
     startup_env = warm_start.import_time_environ(environ)
     changed = sorted(
         name
@@ -406,6 +412,7 @@ def _zygote(listener: socket.socket, directory: Path) -> NoReturn:
         os._exit(0)
     os.environ.update(environ)
     preload(PRELOADED[len(TORCH_PRELOADED) :])
+    _preload_requested(extra)
     # Objects that exist now are never collected, so a collection in a child does
     # not write to (and copy) the pages it shares with the zygote.
     gc.freeze()
@@ -420,7 +427,29 @@ def _zygote(listener: socket.socket, directory: Path) -> NoReturn:
     os._exit(0)  # nothing to finalize; torch's teardown would only delay the agent's exit
 
 
-def _read_release() -> tuple[WorkerEntry, dict[str, str]]:
+def _preload_requested(names: Sequence[str]) -> None:
+    """The ``preload`` setting's modules (a model library's import can take longer
+    than the trainer's). One that fails is left to the workers, which raise its
+    error where the user sees it; one that started a thread or CUDA would make
+    every fork unsafe (or unable to use CUDA), so the zygote then exits and the
+    workers start cold."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the worker's own import reports it
+            print(f"elastic_train zygote: preload {name!r} failed: {exc!r}", file=sys.stderr)
+    threads, cuda = threading.active_count(), sys.modules["torch"].cuda.is_initialized()
+    if threads != 1 or cuda:
+        what = "started CUDA" if cuda else f"left {threads} threads"
+        print(
+            f"elastic_train zygote: preload {list(names)} {what}; a fork of this process "
+            "is not safe, so this zygote exits and the workers start cold",
+            file=sys.stderr,
+        )
+        os._exit(0)
+
+
+def _read_release() -> tuple[WorkerEntry, dict[str, str], list[str]]:
     """The agent's release, the first line it writes to our stdin (unbuffered: the
     same descriptor later tells us the agent is gone)."""
     line = b""
@@ -431,4 +460,4 @@ def _read_release() -> tuple[WorkerEntry, dict[str, str]]:
         line += chunk
     message = json.loads(line)
     target, is_module = message["entry"]
-    return WorkerEntry(target, is_module=is_module), message["environ"]
+    return WorkerEntry(target, is_module=is_module), message["environ"], message["preload"]

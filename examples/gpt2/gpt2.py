@@ -7,7 +7,8 @@ The factories below are named by ``local.toml`` (``--config``)::
     pip install -e ".[examples]"
     elastic-train local --config examples/gpt2/local.toml
     elastic-train local --config examples/gpt2/local.toml --nodes 3 \\
-        --chaos kill:1@step20,join:1@step40
+        --chaos kill:1@step20,join:1@step40 \\
+        --rdzv-conf preload=transformers.models.gpt2.modeling_gpt2
 
 The workers import this module as ``examples.gpt2.gpt2``: run from a checkout
 of this repository (``elastic_train/main.py`` puts the checkout first on
