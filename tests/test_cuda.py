@@ -253,7 +253,7 @@ def test_rng_capture_leaves_cuda_alone_in_a_worker_that_never_used_it(tmp_path: 
 def test_a_preload_that_initialises_cuda_ends_the_zygote(capfd: pytest.CaptureFixture[str]) -> None:
     """Workers forked after CUDA started could not use it: the zygote exits instead."""
     from elastic_train.agent.worker_entry import WorkerEntry
-    from elastic_train.agent.zygote import ZygoteProcess
+    from elastic_train.agent.zygote import EXIT_UNSAFE_PRELOAD, ZygoteProcess
 
     parent = Path(tempfile.mkdtemp(prefix="et-cuda-"))  # a short path for the socket
     zygote = ZygoteProcess(
@@ -261,7 +261,7 @@ def test_a_preload_that_initialises_cuda_ends_the_zygote(capfd: pytest.CaptureFi
         environ={**os.environ, "PRELOAD_PROBE_CUDA": "1"}, preload=["tests.preload_probe"],
     )  # fmt: skip
     try:
-        assert zygote.proc.wait(120) == 0
+        assert zygote.proc.wait(120) == EXIT_UNSAFE_PRELOAD
     finally:
         zygote.close()
         shutil.rmtree(parent, ignore_errors=True)

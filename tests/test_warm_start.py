@@ -25,6 +25,7 @@ from elastic_train.agent import node_agent
 from elastic_train.agent.warm_start import SOCKET_ENV, interpreter_fingerprint, launcher_name
 from elastic_train.agent.worker_entry import WorkerEntry
 from elastic_train.agent.zygote import (
+    EXIT_UNSAFE_PRELOAD,
     SOCKET_NAME,
     ZYGOTE_NAME,
     ZygoteProcess,
@@ -538,21 +539,25 @@ def test_preloaded_modules_are_imported_once_in_the_zygote_not_in_each_worker(
     assert "preload 'no_such_module_here' failed: ModuleNotFoundError" in capfd.readouterr().err
 
 
-def test_a_preload_that_starts_a_thread_ends_the_zygote_and_workers_start_cold(
-    socket_parent: Path, capfd: pytest.CaptureFixture[str]
+def test_a_preload_that_starts_a_thread_ends_the_zygote_for_good(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """A fork copies one thread only: a zygote that a preload gave a thread is not safe to
-    fork from, so it exits; its socket then refuses launchers, which start cold
-    (``test_a_forked_worker_trains_exactly_like_a_cold_start``)."""
-    zygote = ZygoteProcess(
-        WorkerEntry(str(MAIN)), parent_dir=socket_parent,
-        environ=_env(None) | {"PRELOAD_PROBE_THREAD": "1"}, preload=["tests.preload_probe"],
-    )  # fmt: skip
-    try:
-        assert zygote.proc.wait(120) == 0
-        launcher = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with launcher, pytest.raises(ConnectionRefusedError):
-            launcher.connect(str(zygote.socket_path))
-    finally:
-        zygote.close()
+    """A fork copies one thread only: a zygote that a preload gave a thread is not safe
+    to fork from, so it exits, and its socket refuses launchers, which start cold
+    (``test_a_forked_worker_trains_exactly_like_a_cold_start``). The agent does not
+    replace it: the replacement would import the same and exit again, at every
+    round. Its workers start cold from then on, without a socket that refuses them."""
+    monkeypatch.setenv("PRELOAD_PROBE_THREAD", "1")
+    monkeypatch.delenv(SOCKET_ENV, raising=False)
+    settings = node_agent.AgentSettings(warm_start=True, preload=("tests.preload_probe",))
+    agent = node_agent.NodeAgent(settings, run_id="r", argv=["torchrun", str(MAIN)])
+    agent._start_zygote()  # as at the agent's start
+    assert agent.zygote is not None and os.environ[SOCKET_ENV]
+    assert agent.zygote.proc.wait(120) == EXIT_UNSAFE_PRELOAD
+    launcher = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with launcher, pytest.raises(ConnectionRefusedError):
+        launcher.connect(os.environ[SOCKET_ENV])
+    for _ in range(2):  # the next rounds
+        agent._replace_dead_zygote()
+        assert agent.zygote is None and SOCKET_ENV not in os.environ
     assert "left 2 threads; a fork of this process is not safe" in capfd.readouterr().err

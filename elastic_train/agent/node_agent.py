@@ -71,7 +71,7 @@ from elastic_train.agent.metrics_endpoint import MetricsEndpoint, MetricsEndpoin
 from elastic_train.agent.persister import Persister
 from elastic_train.agent.settings import agent_setting
 from elastic_train.agent.worker_entry import WorkerEntry
-from elastic_train.agent.zygote import ZygoteProcess, zygote_entry
+from elastic_train.agent.zygote import EXIT_UNSAFE_PRELOAD, ZygoteProcess, zygote_entry
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError, MetricsPortsTakenError
 from elastic_train.log import bind_context, get_logger
 from elastic_train.state.persist import SOCKET_ENV as PERSIST_SOCKET_ENV
@@ -246,12 +246,16 @@ class NodeAgent:
         """A zygote that died (a crash, the OOM killer) would turn every later start cold."""
         if self.zygote is None or self.zygote.proc.poll() is None:
             return
-        log.warning(
-            "warm_start_zygote_died", pid=self.zygote.pid, exit_code=self.zygote.proc.returncode
-        )
+        code = self.zygote.proc.returncode
+        log.warning("warm_start_zygote_died", pid=self.zygote.pid, exit_code=code)
         atexit.unregister(self.zygote.close)
         self.zygote.close()
         self.zygote = None
+        if code == EXIT_UNSAFE_PRELOAD:  # its stderr, on this node's log, says which module
+            log.warning("warm_start_disabled", reason="a preload module made forks unsafe")
+            self._entry = None
+            os.environ.pop(warm_start.SOCKET_ENV, None)
+            return
         self._start_zygote()
 
     def next_round(self, handler: RendezvousHandler) -> RendezvousInfo:

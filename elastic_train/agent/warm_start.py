@@ -72,8 +72,9 @@ IMPORT_TIME_ENV_PREFIXES = (
 #: seconds to wait for the zygote's answer; it may still be importing at a node's first start
 READY_TIMEOUT_S = 30.0
 MAX_MESSAGE_BYTES = 1 << 20
-#: the accepted values of the ``warm_start`` rdzv-conf key
+#: a dotted module name, as the ``preload`` rdzv-conf key takes them
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+#: the accepted values of the ``warm_start`` rdzv-conf key
 _BOOLEANS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15

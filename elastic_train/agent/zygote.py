@@ -61,6 +61,7 @@ from elastic_train.agent.worker_entry import WorkerEntry
 from elastic_train.agent.zygote_server import Server
 
 __all__ = [
+    "EXIT_UNSAFE_PRELOAD",
     "ZYGOTE_NAME",
     "ZygoteProcess",
     "fork_early",
@@ -84,6 +85,9 @@ SET_AFTER_FORK = frozenset({"PROMETHEUS_MULTIPROC_DIR"})
 #: Imported in the agent, these could have state a fork must not share (a gRPC
 #: channel; metric values of prometheus-client's in-process kind).
 _UNFORKABLE = frozenset({"grpc", "prometheus_client"})
+#: The exit code of a zygote that a ``preload`` made unsafe to fork from: the agent
+#: does not replace it, since its replacement would import the same and exit again.
+EXIT_UNSAFE_PRELOAD = 3
 #: A socket file younger than this is never taken for a dead zygote's.
 _STALE_AFTER = 60.0
 _BOOT = (
@@ -446,7 +450,7 @@ def _preload_requested(names: Sequence[str]) -> None:
             "is not safe, so this zygote exits and the workers start cold",
             file=sys.stderr,
         )
-        os._exit(0)
+        os._exit(EXIT_UNSAFE_PRELOAD)
 
 
 def _read_release() -> tuple[WorkerEntry, dict[str, str], list[str]]:
