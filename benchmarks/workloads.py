@@ -101,5 +101,8 @@ def cluster_spec(
         env=env,
         # Teardown between repetitions: the benchmark has its numbers by then.
         grace_s=0.5,
+        # Each agent starts as an interpreter of its own, as on a cluster: a node that
+        # joins pays its own imports (elastic-train local forks them from one launcher).
+        fork_agents=False,
         **spec,
     )

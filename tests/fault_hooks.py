@@ -47,6 +47,7 @@ The probe needs one backward per step (``training.micro_batch_size=0``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -63,6 +64,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic_train.config.job import ModelConfig
+from elastic_train.local.agent_forks import LAUNCHER_PID_ENV
 from elastic_train.workload.models import mlp
 
 #: the probe file of this process (one per worker process: restarts get new ones)
@@ -149,10 +151,20 @@ def _die_if_sending_state(marker: Path, *, stop: bool) -> None:
         return
     # The node dies, not only this worker: its agent, and the zygote forked from it
     # (the same command line), top down, before the agent can restart anything.
-    tree = [p for p in psutil.Process().parents() if "torch.distributed.run" in p.cmdline()]
+    tree = _node_ancestors()
     for process in reversed(tree):
         process.kill()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _node_ancestors() -> list[psutil.Process]:
+    """This worker's agent and zygote: up to the launcher that forked the agent
+    (``elastic-train local``), else those with torchrun's command line."""
+    parents = psutil.Process().parents()
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is not None:
+        return list(itertools.takewhile(lambda p: p.pid != int(launcher), parents))
+    return [p for p in parents if "torch.distributed.run" in p.cmdline()]
 
 
 def _claim(marker: Path) -> bool:

@@ -53,9 +53,10 @@ def _wait_until_both_train(cluster: LocalCluster, timeout: float = 120.0) -> Non
 
 
 def _job_processes(cluster: LocalCluster) -> list[psutil.Process]:
-    """Every living process of the run but its agents: found by the run's environment
-    marker, which forked processes (the zygote's children) show too."""
-    agents = {node.proc.pid for node in cluster.incarnations}
+    """Every living process of the run but its agents and the launcher they were forked
+    from (which serves the run, not a node): found by the run's environment marker,
+    which forked processes (the zygote's children) show too."""
+    agents = {node.proc.pid for node in cluster.incarnations} | {cluster.launcher_pid}
     marked = proctree.marked_processes(RUN_MARKER_ENV, cluster.run_id)
     return [p for p in proctree.alive(marked) if p.pid not in agents]
 

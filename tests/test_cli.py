@@ -143,10 +143,12 @@ def test_ctrl_c_stops_every_process_of_the_run(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "no training within 120 s"
             time.sleep(0.1)
         procs = _run_processes(psutil.Process(runner.pid), tmp_path)
-        # By the tree, not by command line: a zygote forked from its agent, and the
-        # workers it forks, show the agent's.
-        children = psutil.Process(runner.pid).children()
-        agents = [p for p in children if "torch.distributed.run" in " ".join(p.cmdline())]
+        # By the tree, not by command line: the agents are forked from one launcher,
+        # the zygotes from their agent and the workers from a zygote, and all show
+        # the launcher's.
+        (launcher,) = [p for p in psutil.Process(runner.pid).children()
+                       if "elastic_train.local.agent_forks" in p.cmdline()]  # fmt: skip
+        agents = launcher.children()
         assert len(agents) == 2
         assert len([t for a in agents for t in trainer_processes(a)]) == 2
         assert sum("etcd" in p.name() for p in procs) == 1

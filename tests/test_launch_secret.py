@@ -19,6 +19,7 @@ from test_local import WORKER, live_workers, wait_for
 from elastic_train.errors import ConfigError
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.local import proctree
+from elastic_train.local.agent_forks import ForkedAgent
 from elastic_train.local.cluster import ClusterSpec, LocalCluster
 from elastic_train.local.rdzv_secret import SECRET_ENV, secret_source
 
@@ -94,14 +95,18 @@ def test_a_local_run_signs_its_rendezvous_with_a_private_per_run_secret(tmp_path
         # Both agents rendezvoused with values signed by the secret (kind S), not unsigned.
         state = _state_value(cluster.endpoint, cluster.run_id)
         assert state is not None and state.startswith(b"ETv3S")
-        # The secret is in no argument and no environment of the run's processes.
+        # The secret is in no argument and no environment of the run's processes (the
+        # agents' launcher included), nor in what the agents were forked with.
         agents = [psutil.Process(node.proc.pid) for node in cluster.nodes.values()]
         procs = [p for a in agents for p in [a, *proctree.descendants(a)]]
-        assert len(procs) >= 4
+        procs += [p for p in psutil.Process().children() if p.pid == cluster.launcher_pid]
+        assert len(procs) >= 5
         for proc in procs:
             assert secret not in " ".join(proc.cmdline())
             assert secret not in " ".join(proc.environ().values())
-        assert any(f"secret_file={secret_file}" in " ".join(p.cmdline()) for p in agents)
+        assert all(isinstance(node.proc, ForkedAgent) for node in cluster.nodes.values())
+        assert secret not in " ".join([*cluster.command(), *cluster.node_env(0).values()])
+        assert f"secret_file={secret_file}" in " ".join(cluster.command())
         (tmp_path / "finish").touch()
     logs = "".join(p.read_text() for p in (tmp_path / "logs").iterdir())
     assert secret not in logs

@@ -45,11 +45,13 @@ def live_workers(run_dir: Path) -> dict[str, int]:
     return live
 
 
-def trivial_spec(nodes: int, *args: str, backend: str = "c10d") -> ClusterSpec:
+def trivial_spec(
+    nodes: int, *args: str, backend: str = "c10d", fork_agents: bool = True
+) -> ClusterSpec:
     # c10d and a worker that imports nothing: the cheapest real torchrun nodes.
     return ClusterSpec(
         nodes=nodes, rdzv_backend=backend, script=WORKER, script_args=("{run_dir}", *args),
-        trainer_args=False, metrics_port=None, timeout_s=120,
+        trainer_args=False, metrics_port=None, timeout_s=120, fork_agents=fork_agents,
     )  # fmt: skip
 
 
@@ -90,8 +92,11 @@ def test_faults_reach_agents_and_workers_and_close_leaves_nothing(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_run_local_waits_for_the_nodes_and_summarizes(tmp_path: Path) -> None:
-    summary = run_local(trivial_spec(2, "1"), run_dir=tmp_path)
+@pytest.mark.parametrize("fork_agents", [True, False], ids=["forked", "started"])
+def test_run_local_waits_for_the_nodes_and_summarizes(tmp_path: Path, fork_agents: bool) -> None:
+    # Forked agents (.agent_forks) report their exit through the launcher, started
+    # ones as Popen children: the summary reads the same.
+    summary = run_local(trivial_spec(2, "1", fork_agents=fork_agents), run_dir=tmp_path)
     assert summary.completed and summary.error is None
     assert summary.nodes == {"node0": "exited(0)", "node1": "exited(0)"}
     # Both workers ran in one world of two: one rendezvous round, no restart.

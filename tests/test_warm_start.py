@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -466,10 +467,12 @@ def _forked_zygote(run: Path, node: str) -> psutil.Process | None:
     log = run / "logs" / f"{node}.log"
     if not (log.is_file() and _events(log, "warm_start_forked")):
         return None
-    for proc in psutil.process_iter(["name", "environ"]):
-        env = proc.info["environ"] or {}
-        ours = env.get("ELASTIC_TRAIN_METRICS_DIR", "").startswith(str(run))
-        if ours and proc.info["name"] == ZYGOTE_NAME and env.get("ELASTIC_TRAIN_NODE") == node:
+    # By the pid its agent logged: a zygote forked from an agent that the run's
+    # launcher forked shows the launcher's environment in /proc, not the node's.
+    started = _events(log, "warm_start_zygote_started")
+    with contextlib.suppress(psutil.NoSuchProcess):
+        proc = psutil.Process(started[-1]["pid"])
+        if proc.name() == ZYGOTE_NAME:
             return proc
     raise AssertionError(f"{node} forked a worker warm, but no zygote of it is running")
 

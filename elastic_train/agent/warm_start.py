@@ -124,6 +124,16 @@ def interpreter_fingerprint() -> dict[str, Any]:
     return {"executable": sys.executable, "version": sys.version, "flags": flags}
 
 
+def close_descriptors_but(*kept: int) -> None:
+    """What ``Popen(close_fds=True)`` does: in a forked child, nothing of the parent's
+    stays open but ``kept``."""
+    low = 0
+    for fd in (*sorted(kept), os.sysconf("SC_OPEN_MAX")):
+        if low < fd:  # os.closerange(n, n) closes everything from n (close_range(n, ~0))
+            os.closerange(low, fd)
+        low = fd + 1
+
+
 def set_process_name(name: str) -> None:
     """Set the name ``ps`` and psutil show (Linux ``comm``, at most 15 bytes)."""
     import ctypes  # only on Linux, and only once the hand-over worked

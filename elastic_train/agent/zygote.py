@@ -241,7 +241,7 @@ def _forked_zygote(listener: socket.socket, pipe: int, agent_pid: int, directory
         if os.getppid() != agent_pid:
             os._exit(0)  # the agent died before the line above
         os.dup2(pipe, 0)
-        _close_descriptors_but(0, 1, 2, listener.fileno())
+        warm_start.close_descriptors_but(0, 1, 2, listener.fileno())
         _reset_signals_as_exec_does()
         if _cuda_refused_here():
             # torchrun asks torch.cuda.is_available() before it creates the rendezvous
@@ -282,15 +282,6 @@ def _reset_signals_as_exec_does() -> None:
             signal.signal(sig, signal.SIG_DFL)
     if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:  # what Python's start-up does
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _close_descriptors_but(*kept: int) -> None:
-    """What ``Popen(close_fds=True)`` does: nothing the agent had open stays open here."""
-    low = 0
-    for fd in (*sorted(kept), os.sysconf("SC_OPEN_MAX")):
-        if low < fd:  # os.closerange(n, n) closes everything from n (close_range(n, ~0))
-            os.closerange(low, fd)
-        low = fd + 1
 
 
 def _remove_stale_directories(parent: Path) -> None:

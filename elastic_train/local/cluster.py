@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from elastic_train.config.args import parse_cli
 from elastic_train.errors import ClusterError, ConfigError
 from elastic_train.etcd.server import EtcdServer, free_port
 from elastic_train.local import proctree
+from elastic_train.local.agent_forks import AGENT_MODULE, AgentForks, ForkedAgent
 from elastic_train.local.chaos import ChaosEvent, node_count, node_indexes, validate_schedule
 from elastic_train.local.gpus import GpuPlan, local_gpus, plan_gpus
 from elastic_train.local.rdzv_secret import (
@@ -90,6 +90,9 @@ class ClusterSpec:
     #: once the trainer wrote its result: seconds the nodes get to exit by themselves
     #: (a node whose worker a chaos ``stop`` froze never does; tests shorten this)
     finish_grace_s: float = 15.0
+    #: fork the agents from one launcher that imported torch once (:mod:`.agent_forks`)
+    #: instead of starting each as an interpreter of its own
+    fork_agents: bool = True
 
     def __post_init__(self) -> None:
         for name in ("nodes", "nproc_per_node", "min_nodes", "max_restarts"):
@@ -125,7 +128,8 @@ class Node:
     """One node's agent; ``fate`` says what the runner did to its latest incarnation."""
 
     index: int
-    proc: subprocess.Popen[bytes]
+    #: a started agent, or one forked from the run's launcher (:mod:`.agent_forks`)
+    proc: subprocess.Popen[bytes] | ForkedAgent
     fate: str = "running"
     stopped: list[psutil.Process] = field(default_factory=list)
     #: wall time, comparable with the audit records' times
@@ -166,6 +170,7 @@ class LocalCluster:
         self._last_scan = float("-inf")
         #: every agent ever started, for the last wait (nodes holds the latest only)
         self.incarnations: list[Node] = []
+        self._forks: AgentForks | None = None
 
     @property
     def audit_dir(self) -> Path:
@@ -174,6 +179,11 @@ class LocalCluster:
     @property
     def checkpoint_dir(self) -> Path:
         return self.run_dir / "checkpoints"
+
+    @property
+    def launcher_pid(self) -> int | None:
+        """The pid of the process that forks the agents (:mod:`.agent_forks`), if any."""
+        return self._forks.pid if self._forks is not None else None
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -201,6 +211,9 @@ class LocalCluster:
         if self.secret_file is not None:
             write_secret_file(self.secret_file)
         log.info("local_rdzv_secret", source=self._secret_source, file=str(self.secret_file or ""))
+        if self.spec.fork_agents:  # it imports while etcd starts
+            log_path = self.run_dir / "logs" / "agent-forks.log"
+            self._forks = AgentForks.start(env=self.shared_env(), log_path=log_path)
         if not self.endpoint:
             self.endpoint = self._start_rendezvous_server()
         for index in range(self.spec.nodes):
@@ -294,33 +307,44 @@ class LocalCluster:
             arg = arg.replace(placeholder, str(value))
         return arg
 
-    def start_node(self, index: int) -> Node:
-        if index in self.nodes and self.nodes[index].alive:
-            raise ClusterError(f"node{index} is already running")
+    def shared_env(self) -> dict[str, str]:
+        """The environment every node's agent starts with (the launcher's too)."""
         env = {**os.environ, **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
-        env |= {"ELASTIC_TRAIN_NODE": f"node{index}", RUN_MARKER_ENV: self.run_id}
-        env |= self.gpus.env_for(index)
-        env_port = self.metrics_port(index)
-        env["ELASTIC_TRAIN_METRICS_PORT"] = str(env_port or "off")
-        env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")
-        env.setdefault("ELASTIC_TRAIN_METRICS_DIR", str(self.run_dir / "metrics"))  # not /tmp
+        env[RUN_MARKER_ENV] = self.run_id
         # All "nodes" share this machine's cores; torchrun sets OMP_NUM_THREADS only
         # for nproc-per-node > 1, and oversubscribed intra-op threads slow every step.
         workers = max(1, self.spec.nodes * self.spec.nproc_per_node)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-        with open(self.run_dir / "logs" / f"node{index}.log", "ab") as out:
-            proc = subprocess.Popen(
-                self.command(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+        return env
+
+    def node_env(self, index: int) -> dict[str, str]:
+        env = self.shared_env() | {"ELASTIC_TRAIN_NODE": f"node{index}"}
+        env |= self.gpus.env_for(index)
+        env["ELASTIC_TRAIN_METRICS_PORT"] = str(self.metrics_port(index) or "off")
+        env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")
+        env.setdefault("ELASTIC_TRAIN_METRICS_DIR", str(self.run_dir / "metrics"))  # not /tmp
+        return env
+
+    def start_node(self, index: int) -> Node:
+        if index in self.nodes and self.nodes[index].alive:
+            raise ClusterError(f"node{index} is already running")
+        env, command = self.node_env(index), self.command()
+        log_path = self.run_dir / "logs" / f"node{index}.log"
+        proc: subprocess.Popen[bytes] | ForkedAgent | None = None
+        if self._forks is not None and command[1:3] == ["-m", AGENT_MODULE]:
+            proc = self._forks.fork(command[3:], env=env, log_path=log_path)
+        if proc is None:
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(
+                    command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=env, start_new_session=True,
+                )  # fmt: skip
         node = self.nodes[index] = Node(index=index, proc=proc)
         self.incarnations.append(node)
         self._remember([psutil.Process(proc.pid)])
-        log.info("local_node_started", node=node.name, pid=proc.pid, metrics_port=env_port)
+        forked = isinstance(proc, ForkedAgent)
+        log.info("local_node_started", node=node.name, pid=proc.pid, forked=forked,
+                 metrics_port=self.metrics_port(index))  # fmt: skip
         return node
 
     def metrics_port(self, index: int) -> int | None:
@@ -412,8 +436,10 @@ class LocalCluster:
 
     def close(self) -> None:
         """Stop everything this cluster started, however we got here."""
-        with _sigint_deferred():
+        with proctree.sigint_deferred():
             self._stop_nodes()
+            if self._forks is not None:  # after the nodes: it reports how they exited
+                self._forks.close()
             if self.etcd is not None:
                 self.etcd.stop()
                 shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
@@ -435,7 +461,8 @@ class LocalCluster:
             proctree.signal_all(stopped, signal.SIGCONT)
             proctree.wait_gone(self._seen_list(), timeout=self.spec.grace_s, own=self._own())
         leftovers = proctree.alive(self._seen_list())
-        leftovers += proctree.marked_processes(RUN_MARKER_ENV, self.run_id)
+        leftovers += [p for p in proctree.marked_processes(RUN_MARKER_ENV, self.run_id)
+                      if p.pid != self.launcher_pid]  # fmt: skip
         for proc in leftovers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 self._remember(proctree.kill_tree(proc))
@@ -457,16 +484,3 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
-
-
-@contextlib.contextmanager
-def _sigint_deferred():  # type: ignore[no-untyped-def]
-    """Keep a second Ctrl-C from interrupting the cleanup it triggered."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 
 import psutil
@@ -148,3 +149,16 @@ def describe(procs: list[psutil.Process]) -> list[str]:
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             out.append(f"{proc.pid}:gone")
     return out
+
+
+@contextlib.contextmanager
+def sigint_deferred():  # type: ignore[no-untyped-def]
+    """Keep a second Ctrl-C from interrupting the cleanup it triggered."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
