@@ -120,6 +120,7 @@ class AgentForks:
         self._ready: dict[str, Any] | None = None
         self._replies: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
+        self._abandoned: set[int] = set()  # requests whose reply came too late
         self._closed = False
         self._requests = 0
         self._reader = threading.Thread(target=self._read, name="agent-forks", daemon=True)
@@ -179,6 +180,13 @@ class AgentForks:
             log.warning("agent_fork_failed", error=str(exc))
             return None
         reply = self._wait(lambda: self._replies.pop(number, None), FORK_TIMEOUT_S)
+        if reply is None:
+            with self._news:  # started cold instead: a late fork must not run beside it
+                if (reply := self._replies.pop(number, None)) is None:
+                    self._abandoned.add(number)
+            if reply is not None and "pid" in reply:
+                _kill(int(reply["pid"]))
+            reply = None
         if reply is None or "pid" not in reply:
             log.warning("agent_fork_failed", error=(reply or {}).get("error", "no reply"))
             return None
@@ -240,6 +248,8 @@ class AgentForks:
                 with self._news:
                     if "ready" in news:
                         self._ready = news
+                    elif int(news.get("request", -1)) in self._abandoned:
+                        _kill(int(news.get("pid", -1)))
                     elif "request" in news:
                         self._replies[int(news["request"])] = news
                     elif "exit" in news:
@@ -263,6 +273,12 @@ class AgentForks:
             self._proc.wait()
         self._sock.close()
         self._reader.join(timeout=5)
+
+
+def _kill(pid: int) -> None:
+    if pid > 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 # --- the launcher process -------------------------------------------------------------
