@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 if __name__ == "__main__":
     stdin = os.fstat(0)
@@ -27,6 +28,7 @@ if __name__ == "__main__":
                                                              os.stat(os.devnull).st_ino),
         "torch_imported": "torch" in sys.modules,
         "threads": threading.active_count(),
+        "name": Path(f"/proc/{os.getpid()}/comm").read_text().strip(),
     }), flush=True)  # fmt: skip
     action = sys.argv[1]
     if action.startswith("exit:"):

@@ -34,7 +34,7 @@ def forks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentForks]:
 
 
 def _fork(forks: AgentForks, log_path: Path, action: str) -> ForkedAgent:
-    env = {**os.environ, "FORK_PROBE": "yes"}
+    env = {**os.environ, "FORK_PROBE": "yes", "ELASTIC_TRAIN_NODE": "node7"}
     agent = forks.fork([action, "second"], env=env, log_path=log_path, module=PROBE)
     assert agent is not None, "the launcher refused the fork"
     return agent
@@ -57,6 +57,7 @@ def test_a_fork_starts_like_python_dash_m_and_its_exit_code_comes_back(
     assert report["argv"] == [PROBE_FILE, "exit:3", "second"]  # as -m sets argv[0]
     assert report["probe"] == "yes" and report["cwd"] == os.getcwd()
     assert report["session_leader"] and report["stdin_is_devnull"]
+    assert report["name"] == "et-agent:node7"  # what ps -o comm shows; argv is the launcher's
     # What it saves: torch was imported before the module ran, by the launcher.
     assert report["torch_imported"] and report["threads"] == 1
 

@@ -275,6 +275,19 @@ class AgentForks:
         self._reader.join(timeout=5)
 
 
+def start_agent_forks(env: Mapping[str, str], log_dir: Path) -> AgentForks | None:
+    """The run's launcher, logging to ``log_dir/agent-forks.log``; None where agents
+    cannot be forked from it (not Linux, or it could not start): they start cold."""
+    if sys.platform != "linux":  # SOCK_SEQPACKET pairs, fork without exec
+        log.info("agent_forks_unavailable", reason=f"not on Linux ({sys.platform})")
+        return None
+    try:
+        return AgentForks.start(env=env, log_path=log_dir / "agent-forks.log")
+    except OSError as exc:
+        log.warning("agent_forks_unavailable", reason=str(exc), fallback="cold")
+        return None
+
+
 def _kill(pid: int) -> None:
     if pid > 0:
         with contextlib.suppress(ProcessLookupError):
@@ -364,6 +377,8 @@ def _become_agent(request: Mapping[str, Any]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # ps shows every fork with the launcher's command line: the name tells them apart.
+    warm_start.set_process_name(f"et-agent:{os.environ.get('ELASTIC_TRAIN_NODE', '')}")
     module = request["module"]
     sys.argv = [module, *request["argv"]]
     sys.modules.pop(module, None)  # run as __main__ only, as -m runs it

@@ -29,7 +29,12 @@ from elastic_train.config.args import parse_cli
 from elastic_train.errors import ClusterError, ConfigError
 from elastic_train.etcd.server import EtcdServer, free_port
 from elastic_train.local import proctree
-from elastic_train.local.agent_forks import AGENT_MODULE, AgentForks, ForkedAgent
+from elastic_train.local.agent_forks import (
+    AGENT_MODULE,
+    AgentForks,
+    ForkedAgent,
+    start_agent_forks,
+)
 from elastic_train.local.chaos import ChaosEvent, node_count, node_indexes, validate_schedule
 from elastic_train.local.gpus import GpuPlan, local_gpus, plan_gpus
 from elastic_train.local.rdzv_secret import (
@@ -212,8 +217,7 @@ class LocalCluster:
             write_secret_file(self.secret_file)
         log.info("local_rdzv_secret", source=self._secret_source, file=str(self.secret_file or ""))
         if self.spec.fork_agents:  # it imports while etcd starts
-            log_path = self.run_dir / "logs" / "agent-forks.log"
-            self._forks = AgentForks.start(env=self.shared_env(), log_path=log_path)
+            self._forks = start_agent_forks(self.shared_env(), self.run_dir / "logs")
         if not self.endpoint:
             self.endpoint = self._start_rendezvous_server()
         for index in range(self.spec.nodes):
