@@ -441,9 +441,11 @@ class LocalCluster:
     def close(self) -> None:
         """Stop everything this cluster started, however we got here."""
         with proctree.sigint_deferred():
-            self._stop_nodes()
-            if self._forks is not None:  # after the nodes: it reports how they exited
-                self._forks.close()
+            try:
+                self._stop_nodes()
+            finally:
+                if self._forks is not None:  # after the nodes: it reports how they exited
+                    self._forks.close()
             if self.etcd is not None:
                 self.etcd.stop()
                 shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
