@@ -47,10 +47,8 @@ def refusal(
     differing = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
     if differing:
         return f"import-time environment variables differ from the zygote's: {differing}"
-    if sys.modules["torch"].cuda.is_initialized():  # a forked child could not use CUDA
-        return "CUDA is initialized in the zygote"
-    if threading.active_count() != 1:
-        return f"the zygote has {threading.active_count()} threads; a fork would lose them"
+    if (hazard := warm_start.fork_hazard()) is not None:
+        return f"the zygote {hazard}; a fork of it is not safe"
     if not os.path.isdir(request["cwd"]):
         return f"the working directory {request['cwd']} is gone"
     return None

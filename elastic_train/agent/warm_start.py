@@ -124,6 +124,17 @@ def interpreter_fingerprint() -> dict[str, Any]:
     return {"executable": sys.executable, "version": sys.version, "flags": flags}
 
 
+def fork_hazard() -> str | None:
+    """Why a fork of this process would not be a sound copy, as "<this process> ...":
+    CUDA initialised (torch refuses it in a fork) or a thread (a fork has only the
+    one that forked); None when there is neither."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "started CUDA"
+    threads = threading.active_count()
+    return f"left {threads} threads" if threads != 1 else None
+
+
 def close_descriptors_but(*kept: int) -> None:
     """What ``Popen(close_fds=True)`` does: in a forked child, nothing of the parent's
     stays open but ``kept``."""

@@ -433,11 +433,9 @@ def _preload_requested(names: Sequence[str]) -> None:
             importlib.import_module(name)
         except Exception as exc:  # the worker's own import reports it
             print(f"elastic_train zygote: preload {name!r} failed: {exc!r}", file=sys.stderr)
-    threads, cuda = threading.active_count(), sys.modules["torch"].cuda.is_initialized()
-    if threads != 1 or cuda:
-        what = "started CUDA" if cuda else f"left {threads} threads"
+    if (hazard := warm_start.fork_hazard()) is not None:
         print(
-            f"elastic_train zygote: preload {list(names)} {what}; a fork of this process "
+            f"elastic_train zygote: preload {list(names)} {hazard}; a fork of this process "
             "is not safe, so this zygote exits and the workers start cold",
             file=sys.stderr,
         )

@@ -103,12 +103,6 @@ class ForkedAgent:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 class AgentForks:
     """The runner's side of the launcher: start it, fork agents, learn how they exit."""
@@ -303,11 +297,8 @@ def _preload() -> dict[str, Any]:
     import_env = warm_start.import_time_environ(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
-    torch = sys.modules["torch"]
-    if threading.active_count() != 1:
-        return {"ready": True, "error": f"{threading.active_count()} threads after the imports"}
-    if torch.cuda.is_initialized():
-        return {"ready": True, "error": "CUDA was initialised by the imports"}
+    if (hazard := warm_start.fork_hazard()) is not None:
+        return {"ready": True, "error": f"its imports {hazard}"}
     return {"ready": True, "import_env": import_env}
 
 
