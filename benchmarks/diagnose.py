@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = harness.scratch(args.workdir)
     try:
         outcomes = harness.run_interleaved(
-            select(args.competitors),
+            select(args.competitors, args.rdzv_conf),
             repeats=args.repeats,
             measure=lambda c, d: measure(c, d, **kwargs),
             workdir=Path(tmp.name) if tmp else args.workdir,

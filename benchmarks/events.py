@@ -138,7 +138,7 @@ def event_main(
     harness.run_benchmark(
         f"{name}_smoke" if args.smoke else name,
         args,
-        harness.select_competitors(args.competitors),
+        harness.select_competitors(args.competitors, args.rdzv_conf),
         measure=lambda c, d: measure_event(
             c, d, kind=kind, world_after=kwargs["nodes"] + world_delta, **kwargs
         ),

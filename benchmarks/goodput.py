@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     worlds = [int(w) for w in args.fault_free_worlds.split(",")]
     events = soak_schedule(seconds=seconds, every=args.every, seed=args.seed)
     overrides, recovery_run = recovery_overrides(args.recovery)
-    competitors = harness.select_competitors(args.competitors)
+    competitors = harness.select_competitors(args.competitors, args.rdzv_conf)
     variants = [Variant(c, faults=False, nodes=n) for n in worlds for c in competitors]
     variants += [Variant(c, faults=True) for c in competitors]
     workload = Workload(ours_overrides=overrides, step_seconds=args.pace_ms / 1000.0)
@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "denominator": "the soak's own quiet segments (the last third of each "
             "interval between events), the faster world size's steps/s",
         },
+        "rdzv_conf": {c.name: c.rdzv_conf for c in competitors},
         "headline_metric": "goodput",
         "reference": "ours",
         "runs": {n: dataclasses.asdict(o) for n, o in outcomes.items()},

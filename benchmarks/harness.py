@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -240,6 +240,12 @@ def base_parser(description: str, *, default_repeats: int) -> argparse.ArgumentP
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     p.add_argument("--workdir", type=Path, default=None, help="scratch (default: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="a few-seconds version for CI")
+    p.add_argument(
+        "--rdzv-conf", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="add or replace rdzv-conf keys of competitor NAME, e.g. "
+             "c10d-tuned:keep_alive_max_attempt=5 (repeatable; the results record "
+             "every competitor's conf)",
+    )  # fmt: skip
     return p
 
 
@@ -256,14 +262,36 @@ def add_recovery_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def select_competitors(spec: str) -> list[Competitor]:
+def select_competitors(spec: str, overrides: Sequence[str] = ()) -> list[Competitor]:
+    """The competitors ``spec`` names, with ``--rdzv-conf`` ``overrides`` applied."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in COMPETITORS]
     if unknown:
         raise SystemExit(
             f"--competitors: unknown {unknown}; accepted values: {', '.join(COMPETITORS)}"
         )
-    return [COMPETITORS[n] for n in names]
+    confs = {n: _conf_dict(COMPETITORS[n].rdzv_conf) for n in names}
+    for override in overrides:
+        name, sep, pairs = override.partition(":")
+        keys = _conf_dict(pairs) if sep else None
+        if name not in confs or not keys:
+            raise SystemExit(
+                f"--rdzv-conf {override!r}: expected NAME:KEY=VALUE[,KEY=VALUE] with NAME "
+                f"one of the selected competitors ({', '.join(names)})"
+            )
+        confs[name].update(keys)
+    return [
+        replace(COMPETITORS[n], rdzv_conf=",".join(f"{k}={v}" for k, v in confs[n].items()))
+        for n in names
+    ]
+
+
+def _conf_dict(conf: str) -> dict[str, str]:
+    """``"a=1,b=2"`` as a dict; a pair without ``=`` (or with an empty key) yields {}."""
+    pairs = [kv.partition("=") for kv in conf.split(",") if kv.strip()]
+    if any(not sep or not key.strip() for key, sep, _ in pairs):
+        return {}
+    return {key.strip(): value.strip() for key, _, value in pairs}
 
 
 def scratch(workdir: Path | None) -> tempfile.TemporaryDirectory[str] | None:
@@ -366,6 +394,7 @@ def run_benchmark(
         "machine": host,
         "repeats": args.repeats,
         "settings": settings,
+        "rdzv_conf": {c.name: c.rdzv_conf for c in competitors if isinstance(c, Competitor)},
         "headline_metric": headline,
         "reference": reference,
         "ratios": headline_ratios(summary, metric=headline, reference=reference),

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", choices=("last", "rank0", "nonzero"), default="last")
     harness.add_recovery_argument(parser)
     args = parser.parse_args(argv)
-    competitors = harness.select_competitors(args.competitors)
+    competitors = harness.select_competitors(args.competitors, args.rdzv_conf)
     kwargs: dict[str, Any] = {"nodes": 3, "warmup_steps": 60}
     if args.smoke:
         kwargs = {"nodes": 2, "warmup_steps": 5, "timeout": 60.0}

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tmp.name) if tmp else args.workdir
         competitors = [
             with_timeouts(c, read_timeout=args.read_timeout, join_timeout=args.join_timeout)
-            for c in harness.select_competitors(args.competitors)
+            for c in harness.select_competitors(args.competitors, args.rdzv_conf)
         ]
         processes_check(args, ks, competitors, workdir)
     finally:

@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     idle_s = args.idle_seconds
     if args.smoke:
         ks, idle_s = [2], 2.0
-    competitors = harness.select_competitors(args.competitors)
+    competitors = harness.select_competitors(args.competitors, args.rdzv_conf)
     tmp = harness.scratch(args.workdir)
     workdir = Path(tmp.name) if tmp else args.workdir
     try:
@@ -387,6 +387,7 @@ def _threads(
                 "join_timeout": JOIN_TIMEOUT_S,
                 "anchor_max_agents": args.anchor_max_agents,
             },
+            "rdzv_conf": {c.name: c.rdzv_conf for c in competitors},
             "by_agents": by_k,
             "targets": [t.to_json() for t in targets(by_k)],
         }

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     harness.run_benchmark(
         f"{name}_smoke" if args.smoke else name,
         args,
-        harness.select_competitors(args.competitors),
+        harness.select_competitors(args.competitors, args.rdzv_conf),
         measure=lambda c, d: measure_event(
             c, d, kind="join", world_after=kwargs["nodes"] + 1, workload=workload, **kwargs
         ),

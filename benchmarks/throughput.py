@@ -29,6 +29,7 @@ default: ``--competitors ours,ours-for-loop``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,13 +163,14 @@ def pair_ratios(result: dict[str, Any], name: str, reference: str) -> list[float
     return [mine[r] / theirs[r] for r in sorted(mine) if r in theirs]
 
 
-def select(spec: str) -> list[Competitor]:
-    """The harness's competitors plus the variants of ours above."""
+def select(spec: str, overrides: Sequence[str] = ()) -> list[Competitor]:
+    """The harness's competitors plus the variants of ours above (``overrides``:
+    ``--rdzv-conf``, for the harness's competitors)."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
     ours = harness.select_competitors("ours")[0]
     variants = {n: dataclasses.replace(ours, name=n) for n in names if n in VARIANTS}
     rest = ",".join(n for n in names if n not in VARIANTS)
-    chosen = {c.name: c for c in harness.select_competitors(rest)} if rest else {}
+    chosen = {c.name: c for c in harness.select_competitors(rest, overrides)} if rest else {}
     return [variants.get(n) or chosen[n] for n in names]
 
 
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     harness.run_benchmark(
         "throughput_smoke" if args.smoke else name,
         args,
-        select(args.competitors),
+        select(args.competitors, args.rdzv_conf),
         measure=lambda c, d: measure(c, d, **kwargs),
         metrics=METRICS,
         headline="samples_per_second",
