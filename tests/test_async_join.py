@@ -21,7 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from chaos_runs import assert_completed_exactly_once, log_events, resumes_by_process
+from chaos_runs import (
+    assert_completed_exactly_once,
+    log_events,
+    resumes_by_process,
+    worker_records,
+)
 from rendezvous_threads import poll_until
 from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered
 from torch.distributed import distributed_c10d as c10d
@@ -311,8 +316,9 @@ JOIN_STEPS = 1400
 
 @needs_inprocess
 @pytest.mark.slow
+@pytest.mark.parametrize("heal", [False, True], ids=["broadcast", "heal"])
 def test_a_node_killed_and_started_again_joins_without_restarting_anyone(
-    tmp_path: Path,
+    tmp_path: Path, heal: bool
 ) -> None:
     run_dir = tmp_path / "chaos"
     # Steps of about 10 ms, so that the ranks agree (the check step's all-reduce) every
@@ -328,7 +334,7 @@ def test_a_node_killed_and_started_again_joins_without_restarting_anyone(
         "--nodes", "3", "--min-nodes", "2", "--chaos", "kill:1@step20,join:1@step200",
         "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0", *job,
         f"--model.options.pause_file={pace.path}", "--elastic.recovery=inprocess",
-        "--elastic.pg_timeout_seconds=10",
+        "--elastic.pg_timeout_seconds=10", f"--elastic.heal_joins={str(heal).lower()}",
     ]  # fmt: skip
     summary = run_steered(run_dir, command, pace=pace, nodes=3)
     assert_completed_exactly_once(summary, steps=JOIN_STEPS)
@@ -349,6 +355,7 @@ def test_a_node_killed_and_started_again_joins_without_restarting_anyone(
     assert [j.split("/")[0] for j in admitted["joiners"]] == ["node1"]
     # The next group formed while the members trained: they switched steps later.
     assert admitted["formation_s"] > 0 and admitted["steps_while_forming"] >= 1, admitted
+    _check_state_transfer(run_dir, admitted, heal=heal)
     # Every agent exited 0 by itself: the final rank 0 released the round's exit
     # barrier for the killed node1 agent, and the new one's side round had its own.
     assert set(summary["nodes"].values()) == {"exited(0)"}, summary["nodes"]
@@ -364,6 +371,27 @@ def test_a_node_killed_and_started_again_joins_without_restarting_anyone(
     # ~1e-4 (1399 against 1400 steps), so a step skipped or repeated anywhere still
     # fails this.
     assert_ends_like(summary, run_dir, tmp_path / "reference", job, atol=2.5e-5)
+
+
+def _check_state_transfer(run_dir: Path, admitted: dict, *, heal: bool) -> None:
+    """How the joiner got the state: broadcast at the switch, or (``heal``) from rank 0
+    during the step after it, which the members' shares covered alone."""
+    logs = {node: run_dir / "logs" / f"{node}.log" for node in ("node0", "node1", "node2")}
+    broadcasts = [  # the kill's re-form may have had one too, at its own step
+        e for path in logs.values() for e in log_events(path, "inprocess_newest_broadcast")
+        if e["step"] == admitted["step"]
+    ]  # fmt: skip
+    healed = log_events(logs["node1"], "inprocess_healed")
+    if not heal:
+        assert not healed and len(broadcasts) == 3, broadcasts
+        return
+    assert not broadcasts, broadcasts
+    (got,) = healed
+    (sent,) = log_events(logs["node0"], "inprocess_heal_sent")
+    assert got["step"] == sent["step"] == admitted["step"] and got["bytes"] == sent["bytes"] > 0
+    records = [r for r in worker_records(run_dir, "step") if r["step"] == admitted["step"] + 1]
+    by_node = {r["node"]: r["indices"] for r in records if r["world_size"] == 3}
+    assert by_node["node1"] == [] and by_node["node0"] and by_node["node2"], by_node
 
 
 def test_a_member_waiting_for_rank0s_proposal_notices_that_rank0_died(

@@ -97,13 +97,24 @@ def test_how_data_is_loaded_is_not_part_of_the_checkpoint_fingerprint() -> None:
 
 
 def _steps_take(
-    sampler: ElasticSampler, *, rank: int, world: int, mbs: int, steps: int, epochs: int, step: int
+    sampler: ElasticSampler,
+    *,
+    rank: int,
+    world: int,
+    mbs: int,
+    steps: int,
+    epochs: int,
+    step: int,
+    first_ranks: int | None = None,
 ) -> list[tuple[int, tuple[int, ...]]]:
-    """The (epoch, indices) of each micro-batch the loop's steps load, as run_step goes."""
+    """The (epoch, indices) of each micro-batch the loop's steps load, as run_step goes
+    (``first_ranks``: the members that split the first step's batch while joiners heal)."""
     keys = []
+    ranks = world if first_ranks is None else first_ranks
     while (step < steps) if steps else (sampler.epoch < epochs):
         epoch, batch = sampler.epoch, sampler.next_global_batch()
-        shard = ElasticSampler.shard(batch, rank, world)
+        shard = ElasticSampler.shard(batch, rank, ranks) if rank < ranks else []
+        ranks = world
         keys += [(epoch, tuple(c)) for c in step_chunks(batch, shard, mbs)[0]]
         step += 1
         if sampler.epoch_finished():
@@ -131,6 +142,30 @@ def test_the_plan_is_what_the_steps_take_from_a_restored_position(
         assert planned == taken
         assert list(iter(plan)) == []  # nothing beyond the run's end
     assert sampler.state_dict()["samples_consumed"] == 10  # the real sampler never moved
+
+
+@pytest.mark.parametrize("mbs", [0, 2])
+def test_the_plan_of_a_heal_step_gives_the_members_the_batch_and_a_joiner_one_weightless_sample(
+    mbs: int,
+) -> None:
+    sampler = ElasticSampler(23, global_batch_size=5, seed=4)
+    sampler.load_state_dict({"seed": 4, "epoch": 0, "samples_consumed": 10})
+    first = sampler.copy().next_global_batch()
+    for rank in range(3):  # ranks 0 and 1 hold the state, rank 2 joined
+        plan = StepPlan(sampler.copy(), rank=rank, world_size=3, micro_batch_size=mbs,
+                        step=2, until_step=6, until_epoch=0, first_ranks=2)  # fmt: skip
+        planned = []
+        while not plan.done():  # one iterator per epoch, as the DataLoader draws them
+            planned += list(iter(plan))
+        taken = _steps_take(sampler.copy(), rank=rank, world=3, mbs=mbs, steps=6, epochs=0,
+                            step=2, first_ranks=2)  # fmt: skip
+        assert planned == taken
+        # The first step: the members' shares of the batch between two, and the
+        # joiner's zero-weight first sample (step_chunks).
+        share = ElasticSampler.shard(first, rank, 2) if rank < 2 else []
+        chunks, weight = step_chunks(first, share, mbs)
+        assert planned[: len(chunks)] == [(0, tuple(c)) for c in chunks]
+        assert (weight, chunks) == ((0.0, [first[:1]]) if rank == 2 else (1.0, chunks))
 
 
 # -- in one process -----------------------------------------------------------------

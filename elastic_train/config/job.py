@@ -314,6 +314,10 @@ class ElasticConfig:
     #: join) waits to be admitted at a step boundary before it exits to the
     #: restart path (the group's steps, checkpoint saves and evaluations run first).
     inprocess_join_timeout_seconds: float = 300.0
+    #: In-process async joins: the joiners receive the state while the members
+    #: take the next step, which gives the joiners an empty share of its batch
+    #: (training/heal.py), instead of a broadcast that every member waits for.
+    heal_joins: bool = True
 
     def __post_init__(self) -> None:
         positive(self, "pg_timeout_seconds", "watchdog_multiple", "watchdog_floor_seconds")

@@ -18,9 +18,12 @@ With ``elastic.recovery = "inprocess"`` (docs/recovery-inprocess.md, "Joins"):
    ``next_group.Formation``) and trains on; the joiners form their side of it
    (:func:`enter`). At the boundary of the first check step that finds the
    group ready on every member, :func:`switch` makes it the default group, the
-   joiners receive the newest state by broadcast (``roll_back(joining=True)``),
-   and everybody rebuilds for the new world. Where that cannot run (NCCL, a
-   torch without the registry call), :func:`admit` forms it at the boundary.
+   joiners heal: they receive the model and the optimizer during the next step,
+   which the members' shares cover alone (:mod:`.heal`; or, with
+   ``elastic.heal_joins`` off, the whole state by broadcast before it,
+   ``roll_back(joining=True)``), and everybody rebuilds for the new world.
+   Where that cannot run (NCCL, a torch without the registry call),
+   :func:`admit` forms it at the boundary, and the state goes by broadcast.
 
 The members stall for the switch only: no worker restart, no re-import, no
 reload. A failure during the admission is handled as any other (another
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_train.errors import ConfigError, ElasticTrainError, MemberLostError
 from elastic_train.etcd.group_marker import answers
 from elastic_train.log import get_logger
-from elastic_train.training import next_group
+from elastic_train.training import heal, next_group
 from elastic_train.training.etcd_access import EtcdAccess, json_from_env
 from elastic_train.training.inprocess import (
     InProcess,
@@ -163,6 +166,7 @@ def enter(t: Trainer, ticket: JoinTicket) -> None:
     assert ip is not None
     started = time.perf_counter()
     with t.guards.long_operation("inprocess_join"):
+        _warm_up(t)
         ip.membership.request_join()
         abort_group(t)  # the side round's group: this worker alone until now
         deadline = time.monotonic() + t.cfg.elastic.inprocess_join_timeout_seconds
@@ -174,12 +178,30 @@ def enter(t: Trainer, ticket: JoinTicket) -> None:
             or ip.membership.marker_answers(timeout=ip.probe_seconds),
         )  # fmt: skip
         admitted = time.perf_counter()
-        _, timings = regroup(t, first=gen, joining=True)
+        _, timings = regroup(t, first=gen, joining=True, heal=heal.wanted(t))
     log.info(
         "inprocess_joined", step=t.step, world_size=t.ctx.world_size, rank=t.ctx.rank,
         generation=gen.number, waited_s=round(admitted - started, 4),
         seconds=round(time.perf_counter() - admitted, 4), **timings,
     )  # fmt: skip
+
+
+def _warm_up(t: Trainer) -> None:
+    """One forward and backward of one sample through the joiner's wrapper, on its
+    side round's group of one, before it asks to join; the gradient is dropped.
+
+    A model's first step pays for lazy set-up: autograd's threads, the allocator,
+    DDP's first iteration, a compile. Paid in the joiner's first step in the
+    group, it stalls every member (22 ms and up on the benchmark MLP, 0.1-0.8 s
+    seen on a loaded box); paid here, it delays only the joiner. Its weights,
+    buffers and RNG are overwritten by the members' state afterwards.
+    """
+    started = time.perf_counter()
+    with t.precision.autocast():
+        total, _ = t.loss.micro_batch(t.ddp, t.batches([0]), 1)
+    t.precision.backward(total)
+    t.optimizer.zero_grad(set_to_none=True)
+    log.info("inprocess_join_warmed", seconds=round(time.perf_counter() - started, 4))
 
 
 def at_step_boundary(t: Trainer, *, stopping: bool) -> None:
@@ -251,7 +273,8 @@ def switch(t: Trainer) -> None:
     failure = None
     with t.guards.long_operation("inprocess_admission"):
         try:  # regroup takes the group from the formation: no frame here holds it
-            _, timings = regroup(t, first=gen, planned=True, formed=forming)
+            _, timings = regroup(t, first=gen, planned=True, formed=forming,
+                                 heal=heal.wanted(t))  # fmt: skip
         except RuntimeError as exc:  # torch's DistError: someone died since it connected
             failure = f"{type(exc).__name__}: {exc}"
     if failure is not None:  # out of the except block, whose frames hold the broken group

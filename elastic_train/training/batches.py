@@ -131,17 +131,18 @@ class BatchLoader:
 
     def start(
         self, sampler: ElasticSampler, *, step: int, rank: int, world_size: int,
-        training: TrainingConfig,
+        training: TrainingConfig, first_ranks: int | None = None,
     ) -> None:  # fmt: skip
         """Start loading ahead from ``sampler``'s (restored) position, when
-        ``data.num_workers > 0``; the workers plan the steps until the run's end."""
+        ``data.num_workers > 0``; the workers plan the steps until the run's end.
+        ``first_ranks``: the ranks that split the first step's batch (``StepPlan``)."""
         self.close()
         if self.cfg.num_workers == 0:
             return
         plan = StepPlan(
             sampler.copy(), rank=rank, world_size=world_size,
             micro_batch_size=training.micro_batch_size, step=step,
-            until_step=training.steps, until_epoch=training.epochs,
+            until_step=training.steps, until_epoch=training.epochs, first_ranks=first_ranks,
         )  # fmt: skip
         if plan.done():
             return  # resumed at the end: nothing to load, no workers to start

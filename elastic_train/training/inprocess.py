@@ -33,7 +33,7 @@ import torch.distributed as dist
 from elastic_train.audit import AuditWriter
 from elastic_train.errors import ElasticTrainError, InProcessRecoveryError, MemberLostError
 from elastic_train.log import bind_context, get_logger
-from elastic_train.training import next_group, rollback
+from elastic_train.training import heal, next_group, rollback
 from elastic_train.training.distributed import DistContext, generation_attempt_id
 from elastic_train.training.etcd_access import EtcdAccess
 from elastic_train.training.membership import Generation, Membership
@@ -58,6 +58,9 @@ class LoopHooks:
 
     state_dict: Callable[[Trainer], dict[str, Any]]
     load_state_dict: Callable[[Trainer, dict[str, Any]], None]
+    #: The two halves of load_state_dict, for a healing joiner (training/heal.py).
+    load_progress: Callable[[Trainer, dict[str, Any]], None]
+    load_weights: Callable[[Trainer, dict[str, Any]], None]
     wrap: Callable[[Trainer, DistContext], Any]  # the training wrapper (DDP) for the new group
     open_checkpoints: Callable[[Trainer, DistContext], Any]
 
@@ -86,6 +89,8 @@ class InProcess:
     forming: next_group.Formation | None = None
     forming_verdict: str | None = None
     forming_step: int = 0  # the step after which it started
+    #: A healing joiner until the members' model and optimizer are loaded (heal.py).
+    stateless: bool = False
 
     @classmethod
     def start(cls, t: Trainer, hooks: LoopHooks) -> InProcess | None:
@@ -255,7 +260,7 @@ def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = Fal
     ip.admit_due = False  # a vote taken before the failure is for a group that is gone
     t.ddp = hooks.wrap(t, ctx)  # a new reducer over the weights take_newest made equal
     t.batches.start(t.sampler, step=t.step, rank=ctx.rank, world_size=ctx.world_size,
-                    training=t.cfg.training)  # fmt: skip
+                    training=t.cfg.training, first_ranks=heal.data_ranks(t))  # fmt: skip
     t.attempt = generation_attempt_id(ip.membership.lineage, gen.number)  # no collective
     if t.cfg.logging.audit_dir:  # a joiner has none yet
         if t.audit is not None:
@@ -282,16 +287,19 @@ def rebuild(t: Trainer, hooks: LoopHooks, *, was_main: bool, joining: bool = Fal
 
 def regroup(
     t: Trainer, *, first: Generation | None = None, joining: bool = False,
-    planned: bool = False, formed: next_group.Formation | None = None,
+    planned: bool = False, formed: next_group.Formation | None = None, heal: bool = False,
 ) -> tuple[int, dict[str, float]]:  # fmt: skip
     """Abort the group, form the next one (``first`` if given), bring every member to
     the newest state, rebuild; the step in flight and the seconds of each phase.
     ``planned``: :func:`abort_group`'s (an admission or a departure, not a failure).
     ``formed``: the formation whose group is generation ``first``'s, formed in the
     background already (taken here: a caller holding it would keep its sockets open).
-    A peer failing while the state moves costs another formation without it."""
+    ``heal``: this rank's vote to bring the joiners their state during the next step
+    (heal.py). A peer failing while the state moves costs another formation without it."""
     ip = t.inprocess
     assert ip is not None
+    t.heal = None  # a transfer in flight belongs to the group that is going
+    joining = joining or ip.stateless  # a joiner whose healing a failure cut short
     # A failure's re-form keeps warm members only, unless a newer generation let a
     # joiner in; an admission's (``first``) brings a cold one (StepTimeout.attach).
     gen = ip.membership.current
@@ -314,7 +322,8 @@ def regroup(
                           warm=warm and not t.cfg.training.compile)  # fmt: skip
         old_world = t.ctx.world_size
         started = time.perf_counter()
-        failure = rollback.take_newest(t, ip.hooks, joining=joining, timeout=ip.timeout)
+        failure = rollback.take_newest(t, ip.hooks, joining=joining, timeout=ip.timeout,
+                                       heal=heal and not failed)  # fmt: skip
         timings["rollback_s"] += time.perf_counter() - started
         if failure is None:
             break
@@ -325,7 +334,9 @@ def regroup(
         first, formed, failed = None, None, True
     else:
         raise InProcessRecoveryError(f"a peer failed in each of {ip.max_reforms} state transfers")
+    started = time.perf_counter()
     rebuild(t, ip.hooks, was_main=was_main, joining=joining)
+    timings["rebuild_s"] = time.perf_counter() - started
     return in_flight, {name: round(seconds, 4) for name, seconds in timings.items()}
 
 
@@ -402,6 +413,7 @@ def run_step_or_recover(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> S
         return outcome
     except RuntimeError as exc:  # torch's DistError family: a peer's death broke a collective
         error = f"{type(exc).__name__}: {exc}"
+    t.heal = None  # its sends and receives hold the broken group too
     t.inprocess.unsettled += 1
     if t.inprocess.unsettled > t.inprocess.max_reforms:
         raise InProcessRecoveryError(

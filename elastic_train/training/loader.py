@@ -68,11 +68,14 @@ class StepPlan:
 
     def __init__(
         self, ahead: ElasticSampler, *, rank: int, world_size: int, micro_batch_size: int,
-        step: int, until_step: int, until_epoch: int,
+        step: int, until_step: int, until_epoch: int, first_ranks: int | None = None,
     ) -> None:  # fmt: skip
         self.ahead, self.rank, self.world_size = ahead, rank, world_size
         self.micro_batch_size = micro_batch_size
         self.step, self.until_step, self.until_epoch = step, until_step, until_epoch
+        #: The ranks that split the first step's batch: the members alone while
+        #: joiners heal (training/heal.py).
+        self.first_ranks = world_size if first_ranks is None else first_ranks
 
     def done(self) -> bool:
         if self.until_step > 0:
@@ -86,7 +89,8 @@ class StepPlan:
             epoch = self.ahead.epoch
             batch = self.ahead.next_global_batch()
             self.step += 1
-            shard = ElasticSampler.shard(batch, self.rank, self.world_size)
+            ranks, self.first_ranks = self.first_ranks, self.world_size
+            shard = ElasticSampler.shard(batch, self.rank, ranks) if self.rank < ranks else []
             for chunk in step_chunks(batch, shard, self.micro_batch_size)[0]:
                 yield epoch, tuple(chunk)
             if self.ahead.epoch_finished():

@@ -49,6 +49,7 @@ from elastic_train.training.fsdp import (
     wrap_for_training,
 )
 from elastic_train.training.guards import LoopGuards, build_eval_set
+from elastic_train.training.heal import Transfer
 from elastic_train.training.inprocess import (
     InProcess,
     LoopHooks,
@@ -117,6 +118,8 @@ class Trainer:
     #: The step in flight, set by run_step until its gradients are all-reduced.
     step_start: StepStart | None = None
     step_started_at: float = 0.0
+    #: A joiner's state in transit during the step after an admission (training/heal.py).
+    heal: Transfer | None = None
     #: Set by build() after the restore.
     ddp: DistributedDataParallel = field(init=False)
 
@@ -215,14 +218,24 @@ def state_dict(t: Trainer) -> dict[str, Any]:
 
 
 def load_state_dict(t: Trainer, state: dict[str, Any]) -> None:
-    t.model.load_state_dict(state["model"])
-    t.optimizer.load_state_dict(state["optimizer"])
+    load_progress(t, state)
+    load_weights(t, state)
+
+
+def load_progress(t: Trainer, state: dict[str, Any]) -> None:
+    """Everything but the model and the optimizer (a healing joiner's first part)."""
     t.scheduler.load_state_dict(state["scheduler"])
     t.sampler.load_state_dict(state["sampler"])
     t.step = int(state["step"])
     restore_rng_state(state["rng"])
     t.precision.load_state_dict(state.get("precision", {}))
     t.comm_hook.load_state_dict(state.get("comm_hook", {}))
+
+
+def load_weights(t: Trainer, state: dict[str, Any]) -> None:
+    """The model and the optimizer; their gradients stay (a healing joiner's)."""
+    t.model.load_state_dict(state["model"])
+    t.optimizer.load_state_dict(state["optimizer"])
     # The optimizer came back with the LR of the old world size (per_worker mode).
     restore_learning_rates(t.optimizer, t.scheduler)
 
@@ -265,6 +278,8 @@ def reopen_checkpoints(t: Trainer, ctx: DistContext) -> CheckpointManager | None
 HOOKS = LoopHooks(
     state_dict=lambda t: state_dict(t),
     load_state_dict=lambda t, s: load_state_dict(t, s),
+    load_progress=lambda t, s: load_progress(t, s),
+    load_weights=lambda t, s: load_weights(t, s),
     # In process only, after roll_back has brought every member to one state.
     wrap=lambda t, ctx: t.comm_hook.register(
         wrap_model(compiled(t.model, t.cfg.training), ctx, states_equal=True)

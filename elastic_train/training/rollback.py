@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from elastic_train.log import get_logger
 from elastic_train.state.restore import broadcast_state
+from elastic_train.training.heal import begin as heal_begin
 from elastic_train.training.step_timeout import StepTimeout
 
 if TYPE_CHECKING:
@@ -52,10 +53,14 @@ def rewind(t: Trainer) -> int:
     return in_flight
 
 
-def take_newest(t: Trainer, hooks: LoopHooks, *, joining: bool, timeout: StepTimeout) -> str | None:
+def take_newest(
+    t: Trainer, hooks: LoopHooks, *, joining: bool, timeout: StepTimeout, heal: bool = False
+) -> str | None:  # fmt: skip
     """Every member of the current group to the newest step among them; the
     collective's error when a peer failed meanwhile (None: done).
-    ``joining``: this worker holds no state yet (an async join): it receives the newest."""
+    ``joining``: this worker holds no state yet (an async join): it receives the newest.
+    ``heal``: this rank's vote to bring the joiners their state during the next step
+    instead (:mod:`.heal`; taken when every rank votes so and the ranks line up)."""
     own = -1 if joining else t.step
     world, rank = t.ctx.world_size, t.ctx.rank
     held = state = None
@@ -63,13 +68,25 @@ def take_newest(t: Trainer, hooks: LoopHooks, *, joining: bool, timeout: StepTim
         # A joiner's group is formed before the members switch to it, at their next
         # check step: it waits for them here, a step time or two, under the full limit.
         with contextlib.nullcontext() if joining else timeout.bounded():
-            # One all-reduce: the newest step, the oldest, and (the max of own x world +
-            # world - 1 - rank) the lowest rank that holds the newest.
-            keys = [own, -own, own * world + world - 1 - rank]
+            # One all-reduce (max) of: the newest step, the oldest, (own x world + world
+            # - 1 - rank) the lowest rank that holds the newest, and for healing: every
+            # rank's vote, the highest rank with a state, the lowest without, the
+            # oldest step held.
+            keys = [own, -own, own * world + world - 1 - rank, -int(heal),
+                    rank if own >= 0 else -1, -rank if own < 0 else -world,
+                    -own if own >= 0 else -(1 << 62)]  # fmt: skip
             steps = torch.tensor(keys, dtype=torch.int64, device=t.ctx.device)
             dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        newest, minus_oldest, holder = steps.tolist()
+        newest, minus_oldest, holder, minus_vote, last_held, minus_first_bare, minus_held = (
+            steps.tolist()
+        )
         if newest == -minus_oldest:
+            return None
+        if minus_vote == -1 and newest == -minus_held >= 0 and last_held < -minus_first_bare:
+            # Every rank with a state holds the newest and they come first: only
+            # joiners are behind, and they can heal during the next step.
+            with timeout.bounded():
+                heal_begin(t, hooks, members=last_held + 1, step=newest, own=own)
             return None
         src = world - 1 - holder % world
         # Every rank at the newest step holds that state already (in lockstep: the
@@ -82,5 +99,7 @@ def take_newest(t: Trainer, hooks: LoopHooks, *, joining: bool, timeout: StepTim
         return f"{type(exc).__name__}: {exc}"
     if held is None:
         hooks.load_state_dict(t, state)
+        if t.inprocess is not None:
+            t.inprocess.stateless = False
     log.info("inprocess_newest_broadcast", step=newest, src=src, oldest=-minus_oldest)
     return None

@@ -32,11 +32,13 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_train.log import get_logger
+from elastic_train.training import heal
 from elastic_train.training.optim import clip_grad_norm
 from elastic_train.training.rng import capture_torch_rng_state
 from elastic_train.training.sampler import ElasticSampler
 
 if TYPE_CHECKING:
+    from elastic_train.training.inprocess import LoopHooks
     from elastic_train.training.loop import Trainer
 
 log = get_logger(__name__)
@@ -295,7 +297,9 @@ def snapshot_on_failure(
     try:
         yield
     except Exception:
-        if t.snapshots is not None:
+        # A healing joiner's weights are no step's until the members' arrive (heal.py).
+        stateless = t.inprocess is not None and t.inprocess.stateless
+        if t.snapshots is not None and not stateless:
             t.snapshots.rescue(step, state)
         raise
 
@@ -320,14 +324,18 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     # In-process recovery rewinds a failed step from these (training/inprocess.py).
     t.step_start, t.step_started_at = start, started
     batch = t.sampler.next_global_batch()
-    shard = ElasticSampler.shard(batch, t.ctx.rank, t.ctx.world_size)
+    holders = heal.data_ranks(t)  # the members alone while joiners heal
+    shard = ElasticSampler.shard(batch, t.ctx.rank, holders) if t.ctx.rank < holders else []
 
     def record(loss_sum: torch.Tensor, count: Any) -> None:
         record_step(t, step=t.step + 1, epoch=epoch, shard=shard, loss_sum=loss_sum, count=count)
 
     rewound = (lambda: start.rewind(state())) if start is not None else state
+    transfer = t.heal
     with snapshot_on_failure(t, step=t.step, state=rewound):
         losses = train_step(t, batch, shard, before_sync=record)
+        if transfer is not None:  # a joiner's weights of the step before, under its gradients
+            transfer.receive(t, _hooks(t), timeout_s=_timeout_s(t))
     t.step_start = None  # every rank's gradients are in: the optimizer step follows
     t.step += 1
     due = t.step == 1 or t.guards.preemption.check_due(t.step)
@@ -347,4 +355,17 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
         seconds=time.perf_counter() - started, lr=lr,
     )  # fmt: skip
     report_step(t, stats, local_samples=len(shard))
+    if transfer is not None:
+        t.heal = None
+        transfer.finish(timeout_s=_timeout_s(t))  # the holder's sends, off the step
     return StepOutcome(signalled=signalled, epoch_ended=epoch_ended)
+
+
+def _hooks(t: Trainer) -> LoopHooks:
+    assert t.inprocess is not None  # a heal runs in process only
+    return t.inprocess.hooks
+
+
+def _timeout_s(t: Trainer) -> float:
+    assert t.inprocess is not None
+    return t.inprocess.timeout.current()
