@@ -66,10 +66,13 @@ def measure_event(
     timeout: float,
     workload: Workload | None = None,
     target: Target = "last",
+    settle_steps: int = 0,
 ) -> dict[str, Any]:
     """Start ``nodes`` nodes, train ``warmup_steps``, deliver ``kind`` and time the recovery.
 
     A kill or term hits the node ``target`` names; a join starts node ``nodes``.
+    ``settle_steps``: steps more at the new world size before the cluster stops
+    (for a caller that reads the step times after the event from ``workdir``).
     """
     spec = {
         "nodes": nodes,
@@ -83,6 +86,9 @@ def measure_event(
         rec = cluster.wait_recovery(
             kind=kind, node=node, event_time=moment, world_size=world_after, timeout=timeout
         )
+        if settle_steps:
+            reached = cluster.highest_step.get(world_after, 0)
+            cluster.wait_step(reached + settle_steps, world_size=world_after, timeout=timeout)
         others = [f"node{i}" for i in range(max(nodes, node + 1)) if i != node or kind == "join"]
         return {**rec.to_json(), "target": target, **breakdown(cluster, moment, others)}
 

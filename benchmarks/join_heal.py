@@ -63,8 +63,9 @@ def measure(variant: Variant, workdir: Path, *, hidden_size: int, **event: Any) 
     ours: Competitor = harness.COMPETITORS["ours"]
     nodes = event["nodes"]
     rec = measure_event(
-        ours, workdir, kind="join", world_after=nodes + 1, workload=workload, **event
-    )
+        ours, workdir, kind="join", world_after=nodes + 1, workload=workload,
+        settle_steps=_STEADY.stop + 5, **event,
+    )  # fmt: skip
     return {"seconds": rec["seconds"], **stall(workdir)}
 
 

@@ -32,6 +32,10 @@ read for an in-process state transfer (``rollback.take_newest``: an admission's
 broadcast to a joiner) writes it (the time, its node) and, before the state
 leaves, kills its node (the torchrun agent, then itself), or with
 ``model.options.sending_state_fault=stop`` SIGSTOPs itself: its sockets stay open.
+With ``sending_state_fault=kill_healing`` the first rank 0 in the first step of
+a larger group (a joiner heals in it: rank 0 has posted its sends of the state,
+``training/heal.py``) kills its node instead, at its last gradient, before the
+step's all-reduce.
 
 ``model.options.stop_first_step_at_world``: a world size N, with
 ``model.options.stop_marker``, a path. The first rank 1 to reach its gradient
@@ -108,10 +112,14 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
             register_optimizer_step_pre_hook(_on_optimizer_step)
         node = os.environ.get("ELASTIC_TRAIN_NODE", "single")
         _probe_file = Path(probe_dir) / f"probe-{node}-{os.getpid()}.jsonl"
+    fault, heal_marker = cfg.options.get("sending_state_fault", "kill"), None
     if cfg.options.get("die_sending_state"):
         marker = Path(str(cfg.options["die_sending_state"]))
-        stop = cfg.options.get("sending_state_fault", "kill") == "stop"
-        model.register_state_dict_pre_hook(lambda *_: _die_if_sending_state(marker, stop=stop))
+        if fault == "kill_healing":
+            heal_marker = marker
+        else:
+            stop = fault == "stop"
+            model.register_state_dict_pre_hook(lambda *_: _die_if_sending_state(marker, stop=stop))
     params = [p for p in model.parameters() if p.requires_grad]
     seen, steps = [0], [0]
     hold_at, hold = int(cfg.options.get("hold_at_step", 0)), float(cfg.options.get("hold_s", 0))
@@ -130,6 +138,9 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
             first_after_reform = before not in (0, world)
             if stop_world == world and first_after_reform and _rank() == 1 and _claim(stop_marker):
                 os.kill(os.getpid(), signal.SIGSTOP)
+            grown = first_after_reform and world > before and _rank() == 0
+            if heal_marker is not None and grown and _claim(heal_marker):
+                _kill_node()
             held = hold if steps[0] == hold_at and first_start else _paced(pause, pause_file)
             if held and (_rank() != 0 or _world_size() == 1):
                 time.sleep(held)  # a world of one keeps the pace, with no all-reduce to wait in
@@ -149,6 +160,10 @@ def _die_if_sending_state(marker: Path, *, stop: bool) -> None:
     if stop:
         os.kill(os.getpid(), signal.SIGSTOP)
         return
+    _kill_node()
+
+
+def _kill_node() -> None:
     # The node dies, not only this worker: its agent, and the zygote forked from it
     # (the same command line), top down, before the agent can restart anything.
     tree = _node_ancestors()

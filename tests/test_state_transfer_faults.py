@@ -102,3 +102,52 @@ def test_a_node_failing_while_it_sends_a_joiner_the_state_is_re_formed_around(
     assert {r["node"] for r in later} == {"node1", "node2", "node3"}
     assert {r["world_size"] for r in later} == {3}
     assert_ends_like(summary, run_dir, tmp_path / "reference", JOB, atol=2.5e-5)
+
+
+@needs_inprocess
+@pytest.mark.slow
+def test_rank0_dying_while_a_joiner_heals_leaves_the_joiner_a_members_state(
+    tmp_path: Path,
+) -> None:
+    """The joiner heals in the first step of the group of four (``training/heal.py``):
+    rank 0 has posted its sends of the model and the optimizer, and dies at its last
+    gradient, before the step's all-reduce. The joiner holds no step's weights yet:
+    it writes no rescue snapshot, and the re-form without node0 brings it the whole
+    state by broadcast from another member."""
+    run_dir = tmp_path / "run"
+    marker = tmp_path / "died.json"
+    pace = Pace(tmp_path / "pause", PAUSE_S)
+    command = [
+        "--nodes", "3", "--min-nodes", "2", "--chaos", "join:3@step3",
+        "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0", *JOB,
+        f"--model.options.pause_file={pace.path}", f"--model.options.die_sending_state={marker}",
+        "--model.options.sending_state_fault=kill_healing", "--elastic.recovery=inprocess",
+        f"--elastic.pg_timeout_seconds={PG_TIMEOUT_S}",
+        f"--elastic.inprocess_timeout_floor_seconds={FLOOR_S}",
+    ]  # fmt: skip
+    tail = AuditTail(run_dir / "audit")
+
+    def end_pace_after_the_kill() -> None:
+        if pace.seconds and marker.exists() and any(
+            isinstance(r, StepRecord) and r.node == "node3" and r.world_size == 3
+            for r in tail.poll()
+        ):  # fmt: skip
+            pace.set(0.0)
+
+    summary = run_steered(run_dir, command, pace=pace, nodes=0, on_tick=end_pace_after_the_kill)
+    assert_ran_exactly_once(summary, steps=STEPS)
+    died = json.loads(marker.read_text())
+    assert died["node"] == "node0", died
+    joiner_log = run_dir / "logs" / "node3.log"
+    (started,) = log_events(joiner_log, "inprocess_heal_started")
+    assert started["role"] == "joiner"
+    assert not log_events(joiner_log, "inprocess_healed")  # the step failed first
+    assert not log_events(joiner_log, "snapshot_kept")  # no rescue of a stateless joiner
+    got = log_events(joiner_log, "inprocess_newest_broadcast")
+    assert [e["step"] for e in got] == [started["step"]], got
+    sources = {r["source"] for r in worker_records(run_dir, "resume")}
+    assert sources == {"none", "inprocess"}, sources
+    later = [r for r in worker_records(run_dir, "step") if r["time"] > died["time"]]
+    assert min(r["time"] for r in later) - died["time"] < PG_TIMEOUT_S / 3
+    assert {(r["node"], r["world_size"]) for r in later} >= {("node3", 3), ("node1", 3)}
+    assert_ends_like(summary, run_dir, tmp_path / "reference", JOB, atol=2.5e-5)
