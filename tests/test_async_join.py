@@ -350,6 +350,10 @@ def test_a_node_killed_and_started_again_joins_without_restarting_anyone(
         assert starts[1:] == [("inprocess", 2), ("inprocess", 3)], starts
     assert len(by_node["node1"]) == 2 and [("inprocess", 3)] in by_node["node1"], by_node
     assert log_events(run_dir / "logs" / "node1.log", "rendezvous_side_round")
+    # The joiner paid its first step's set-up before it asked: once, on its own.
+    (warmed,) = log_events(run_dir / "logs" / "node1.log", "inprocess_join_warmed")
+    (joined,) = log_events(run_dir / "logs" / "node1.log", "inprocess_joined")
+    assert warmed["timestamp"] < joined["timestamp"] and warmed["world_size"] == 1, warmed
     (admitted,) = log_events(run_dir / "logs" / "node0.log", "inprocess_admitted")
     assert admitted["old_world_size"] == 2 and admitted["world_size"] == 3
     assert [j.split("/")[0] for j in admitted["joiners"]] == ["node1"]
