@@ -54,6 +54,8 @@ def test_a_node_failing_while_it_sends_a_joiner_the_state_is_re_formed_around(
 ) -> None:
     # kill: the peers' receives fail at once (its sockets close). stop: its sockets
     # stay open, and only the floor timeout ends the receives that wait for it.
+    # kill dies in the switch's broadcast of the whole state (heal_joins off: the
+    # suite's one run of that broadcast at a switch), stop as a heal starts.
     run_dir = tmp_path / "run"
     marker = tmp_path / "died.json"
     pace = Pace(tmp_path / "pause", PAUSE_S)
@@ -72,6 +74,7 @@ def test_a_node_failing_while_it_sends_a_joiner_the_state_is_re_formed_around(
         f"--model.options.sending_state_fault={fault}", "--elastic.recovery=inprocess",
         f"--elastic.pg_timeout_seconds={PG_TIMEOUT_S}",
         f"--elastic.inprocess_timeout_floor_seconds={FLOOR_S}",
+        f"--elastic.heal_joins={'false' if fault == 'kill' else 'true'}",
         "--finish-grace", "3",  # a stopped worker never exits by itself
     ]  # fmt: skip
     summary = run_steered(
