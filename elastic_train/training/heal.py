@@ -111,6 +111,20 @@ class Transfer:
                  seconds=round(time.perf_counter() - self.started, 4))  # fmt: skip
 
 
+def settle(t: Trainer, hooks: LoopHooks) -> None:
+    """After the loop: a heal that began at the run's last step boundary has no step
+    to ride on. The joiner loads the members' state as it is (no step follows that
+    needs a gradient), and rank 0 waits for its sends, before the run's last
+    collectives (the evaluation at the end) use the joiner's weights."""
+    transfer, t.heal = t.heal, None
+    if transfer is None:
+        return
+    assert t.inprocess is not None
+    timeout_s = t.inprocess.timeout.current()
+    transfer.receive(t, hooks, timeout_s=timeout_s)
+    transfer.finish(timeout_s=timeout_s)
+
+
 def data_ranks(t: Trainer) -> int:
     """How many ranks split this step's global batch: the members during a heal step."""
     return t.heal.members if t.heal is not None else t.ctx.world_size

@@ -33,7 +33,7 @@ from elastic_train.errors import CheckpointWriteError
 from elastic_train.log import get_logger
 from elastic_train.metrics import WorkerMetrics
 from elastic_train.state.checkpoint import CheckpointManager
-from elastic_train.training import admission
+from elastic_train.training import admission, heal
 from elastic_train.training.batches import BatchLoader
 from elastic_train.training.comm_hooks import CommHook
 from elastic_train.training.departure import after_preemption
@@ -365,6 +365,7 @@ def train(t: Trainer) -> TrainResult:
         # collectives of this one (a save, an evaluation) must be over, or they meet
         # the joiner's first step (a mismatch that gloo answers with an abort).
         admission.at_step_boundary(t, stopping=bool(outcome.signalled))
+    heal.settle(t, HOOKS)  # a join admitted at the last boundary
     save_checkpoint(t, reason="final", blocking=True)
     if t.cfg.eval.at_end:
         run_evaluation(t, reason="end")
