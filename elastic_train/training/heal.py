@@ -79,13 +79,15 @@ class Transfer:
     buffer: Any = None  # the holder's packed bytes, or the joiner's receive buffer
     started: float = field(default_factory=time.perf_counter)
 
-    def receive(self, t: Trainer, hooks: LoopHooks, *, timeout_s: float) -> None:
+    def receive(self, t: Trainer) -> None:
         """The joiner, after its backward: wait for the model and the optimizer of
         step :attr:`step` and load them (the all-reduced gradients stay)."""
         if self.role != "joiner":
             return
+        ip = t.inprocess
+        assert ip is not None  # a heal runs in process only
         waited = time.perf_counter()
-        _wait(self.works, timeout_s)
+        _wait(self.works, ip.timeout.current())
         received = time.perf_counter()
         got, state = unpack(
             self.buffer, fingerprint=_FINGERPRINT, name="the heal from rank 0",
@@ -93,36 +95,33 @@ class Transfer:
         )  # fmt: skip
         if got != self.step:
             raise ValueError(f"heal: rank 0 sent step {got}, expected {self.step}")
-        hooks.load_weights(t, state)
-        assert t.inprocess is not None
-        t.inprocess.stateless = False
+        ip.hooks.load_weights(t, state)
+        ip.stateless = False
         log.info(
             "inprocess_healed", step=self.step, bytes=self.nbytes,
             overlapped_s=round(waited - self.started, 4),
             waited_s=round(received - waited, 4), load_s=round(time.perf_counter() - received, 4),
         )  # fmt: skip
 
-    def finish(self, *, timeout_s: float) -> None:
+    def finish(self, t: Trainer) -> None:
         """The holder, after its optimizer step: its sends are complete."""
         if self.role != "holder":
             return
-        _wait(self.works, timeout_s)
+        assert t.inprocess is not None
+        _wait(self.works, t.inprocess.timeout.current())
         log.info("inprocess_heal_sent", step=self.step, bytes=self.nbytes,
                  seconds=round(time.perf_counter() - self.started, 4))  # fmt: skip
 
 
-def settle(t: Trainer, hooks: LoopHooks) -> None:
+def settle(t: Trainer) -> None:
     """After the loop: a heal that began at the run's last step boundary has no step
     to ride on. The joiner loads the members' state as it is (no step follows that
     needs a gradient), and rank 0 waits for its sends, before the run's last
     collectives (the evaluation at the end) use the joiner's weights."""
     transfer, t.heal = t.heal, None
-    if transfer is None:
-        return
-    assert t.inprocess is not None
-    timeout_s = t.inprocess.timeout.current()
-    transfer.receive(t, hooks, timeout_s=timeout_s)
-    transfer.finish(timeout_s=timeout_s)
+    if transfer is not None:
+        transfer.receive(t)
+        transfer.finish(t)
 
 
 def data_ranks(t: Trainer) -> int:
@@ -130,16 +129,15 @@ def data_ranks(t: Trainer) -> int:
     return t.heal.members if t.heal is not None else t.ctx.world_size
 
 
-def begin(
-    t: Trainer, hooks: LoopHooks, *, members: int, step: int, own: int
-) -> None:  # fmt: skip
-    """Every rank, after ``take_newest``'s agreement: broadcast the small part of
-    step ``step``'s state from rank 0 and start the point-to-point transfer of the
-    rest (rank 0 to every rank from ``members`` on). A collective."""
+def begin(t: Trainer, hooks: LoopHooks, *, members: int, step: int) -> None:
+    """Every rank, after ``take_newest``'s agreement (ranks ``0..members-1`` hold
+    step ``step``, the others nothing): broadcast the small part of the state from
+    rank 0 and start the point-to-point transfer of the rest (rank 0 to every rank
+    from ``members`` on). A collective."""
     rank, world = t.ctx.rank, t.ctx.world_size
     light: dict[str, Any] | None = None
     raw: Any = None
-    if own == step:  # a member: rank 0 packs, the others pass theirs (nothing decoded)
+    if rank < members:  # rank 0 packs, the other members pass theirs (nothing decoded)
         state = hooks.state_dict(t)
         light = {k: v for k, v in state.items() if k not in HEAVY}
         if rank == 0:

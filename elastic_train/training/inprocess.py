@@ -413,7 +413,6 @@ def run_step_or_recover(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> S
         return outcome
     except RuntimeError as exc:  # torch's DistError family: a peer's death broke a collective
         error = f"{type(exc).__name__}: {exc}"
-    t.heal = None  # its sends and receives hold the broken group too
     t.inprocess.unsettled += 1
     if t.inprocess.unsettled > t.inprocess.max_reforms:
         raise InProcessRecoveryError(

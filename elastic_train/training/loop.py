@@ -365,7 +365,7 @@ def train(t: Trainer) -> TrainResult:
         # collectives of this one (a save, an evaluation) must be over, or they meet
         # the joiner's first step (a mismatch that gloo answers with an abort).
         admission.at_step_boundary(t, stopping=bool(outcome.signalled))
-    heal.settle(t, HOOKS)  # a join admitted at the last boundary
+    heal.settle(t)  # a join admitted at the last boundary
     save_checkpoint(t, reason="final", blocking=True)
     if t.cfg.eval.at_end:
         run_evaluation(t, reason="end")

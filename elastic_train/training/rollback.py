@@ -86,7 +86,7 @@ def take_newest(
             # Every rank with a state holds the newest and they come first: only
             # joiners are behind, and they can heal during the next step.
             with timeout.bounded():
-                heal_begin(t, hooks, members=last_held + 1, step=newest, own=own)
+                heal_begin(t, hooks, members=last_held + 1, step=newest)
             return None
         src = world - 1 - holder % world
         # Every rank at the newest step holds that state already (in lockstep: the

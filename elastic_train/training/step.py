@@ -38,7 +38,6 @@ from elastic_train.training.rng import capture_torch_rng_state
 from elastic_train.training.sampler import ElasticSampler
 
 if TYPE_CHECKING:
-    from elastic_train.training.inprocess import LoopHooks
     from elastic_train.training.loop import Trainer
 
 log = get_logger(__name__)
@@ -335,7 +334,7 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     with snapshot_on_failure(t, step=t.step, state=rewound):
         losses = train_step(t, batch, shard, before_sync=record)
         if transfer is not None:  # a joiner's weights of the step before, under its gradients
-            transfer.receive(t, _hooks(t), timeout_s=_timeout_s(t))
+            transfer.receive(t)
     t.step_start = None  # every rank's gradients are in: the optimizer step follows
     t.step += 1
     due = t.step == 1 or t.guards.preemption.check_due(t.step)
@@ -357,15 +356,5 @@ def run_step(t: Trainer, *, state: Callable[[], dict[str, Any]]) -> StepOutcome:
     report_step(t, stats, local_samples=len(shard))
     if transfer is not None:
         t.heal = None
-        transfer.finish(timeout_s=_timeout_s(t))  # the holder's sends, off the step
+        transfer.finish(t)  # the holder's sends, off the step
     return StepOutcome(signalled=signalled, epoch_ended=epoch_ended)
-
-
-def _hooks(t: Trainer) -> LoopHooks:
-    assert t.inprocess is not None  # a heal runs in process only
-    return t.inprocess.hooks
-
-
-def _timeout_s(t: Trainer) -> float:
-    assert t.inprocess is not None
-    return t.inprocess.timeout.current()
