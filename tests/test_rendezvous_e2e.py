@@ -106,16 +106,16 @@ def test_stock_etcd_has_v2_off(etcd_server: EtcdServer) -> None:
         urllib.request.urlopen(f"{etcd_server.client_url}/v2/keys", timeout=5)
 
 
-@pytest.mark.parametrize("backend", ["etcd", "etcd-v3"])
 def test_two_agents_train_to_the_end(
-    backend: str, etcd_endpoint: str, agents: list[Agent], tmp_path: Path
+    etcd_endpoint: str, agents: list[Agent], tmp_path: Path
 ) -> None:
+    """torchrun's own ``etcd`` name reaches our v3 backend (the README's launch);
+    ``etcd-v3``, the name of ours alone, trains in the test below."""
     run_id = uuid.uuid4().hex
     for _ in range(2):
-        _start(agents, tmp_path, backend, etcd_endpoint, run_id, "--hold-until-world-size", "2")
+        _start(agents, tmp_path, "etcd", etcd_endpoint, run_id, "--hold-until-world-size", "2")
     _assert_finished_at_world_size_two(tmp_path, agents)
-    takeover_lines = [a.output().count("etcd_backend_takeover") for a in agents]
-    assert takeover_lines == ([1, 1] if backend == "etcd" else [0, 0])
+    assert [a.output().count("etcd_backend_takeover") for a in agents] == [1, 1]
 
 
 def test_node_joins_a_running_job(etcd_endpoint: str, agents: list[Agent], tmp_path: Path) -> None:
@@ -139,3 +139,4 @@ def test_node_joins_a_running_job(etcd_endpoint: str, agents: list[Agent], tmp_p
     _assert_finished_at_world_size_two(tmp_path, agents)
     sizes = [r["world_size"] for r in _records(tmp_path) if r["rank"] == 0]
     assert 1 in sizes
+    assert not any("etcd_backend_takeover" in a.output() for a in agents)  # our name: no takeover

@@ -26,7 +26,7 @@ from torch_support import needs_inprocess
 
 from elastic_train.audit import AuditTail, StepRecord
 
-STEPS = 600
+STEPS = 150
 JOB = [
     "--data.name=synthetic",
     "--data.num_samples=96",

@@ -55,6 +55,9 @@ ETCD_BACKENDS = frozenset({"etcd", "etcd-v3", "etcd-v2"})
 RUN_MARKER_ENV = "ELASTIC_TRAIN_LOCAL_RUN"
 #: seconds between two scans for the processes of the nodes (see ``poll``)
 SCAN_INTERVAL_S = 1.0
+#: ``grace_s`` for the nodes still there once the trainer wrote its result (a frozen
+#: worker's, a late joiner's): the final checkpoint is written, nothing of theirs is due
+FINISHED_GRACE_S = 1.0
 #: placeholders that ``script_args`` may contain, for scripts other than ours
 PLACEHOLDERS = ("{run_dir}", "{audit_dir}", "{checkpoint_dir}")
 
@@ -176,6 +179,8 @@ class LocalCluster:
         #: every agent ever started, for the last wait (nodes holds the latest only)
         self.incarnations: list[Node] = []
         self._forks: AgentForks | None = None
+        #: the trainer wrote its result (the supervisor sees it): see FINISHED_GRACE_S
+        self.job_finished = False
 
     @property
     def audit_dir(self) -> Path:
@@ -465,7 +470,10 @@ class LocalCluster:
             # A SIGSTOPped worker only acts on SIGTERM once continued.
             stopped = [proc for node in self.nodes.values() for proc in node.stopped]
             proctree.signal_all(stopped, signal.SIGCONT)
-            proctree.wait_gone(self._seen_list(), timeout=self.spec.grace_s, own=self._own())
+            grace = self.spec.grace_s
+            if self.job_finished:
+                grace = min(grace, FINISHED_GRACE_S)
+            proctree.wait_gone(self._seen_list(), timeout=grace, own=self._own())
         leftovers = proctree.alive(self._seen_list())
         leftovers += [p for p in proctree.marked_processes(RUN_MARKER_ENV, self.run_id)
                       if p.pid != self.launcher_pid]  # fmt: skip

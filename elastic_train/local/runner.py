@@ -255,6 +255,7 @@ class _Supervisor:
             self.cluster.poll()
             if self._finished_at is None and self._result_file.exists():
                 self._finished_at = time.monotonic()
+                self.cluster.job_finished = True
             if not self.cluster.alive_nodes() and not self._join_pending():
                 break
             grace = self.cluster.spec.finish_grace_s
