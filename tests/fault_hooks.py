@@ -45,6 +45,14 @@ its node) and SIGSTOPs itself there, once per run: rank 0 waits inside the
 all-reduce of a group's first step, where nothing but the collective's timeout
 wakes it.
 
+``model.options.wait_dir``: gates a test opens by creating files there. With
+``model.options.wait_at_steps`` (steps, comma-separated), every rank but rank 0
+of the first start's processes waits at each of those steps, before its
+all-reduce, until ``go-<step>`` exists. An async joiner
+(``training/admission.py``) writes ``joiner-waiting`` at its warm-up's backward
+and waits there until ``go-joiner`` exists (so it asks to join then), and at its
+exit (``log.on_exit_now``) saves its model's state to ``joiner-final.pt``.
+
 The probe needs one backward per step (``training.micro_batch_size=0``).
 """
 
@@ -57,7 +65,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +77,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic_train.config.job import ModelConfig
 from elastic_train.local.agent_forks import LAUNCHER_PID_ENV
+from elastic_train.log import on_exit_now
+from elastic_train.training.admission import ASYNC_JOIN_ENV
 from elastic_train.workload.models import mlp
+
+#: how long a gate of ``wait_dir`` may stay shut before the worker gives up
+_GATE_TIMEOUT_S = 120.0
 
 #: the probe file of this process (one per worker process: restarts get new ones)
 _probe_file: Path | None = None
@@ -126,6 +139,7 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
     first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     stop_world, worlds = int(cfg.options.get("stop_first_step_at_world", 0)), [0]
     stop_marker = Path(str(cfg.options.get("stop_marker", "stop-marker")))
+    gates = _gates(cfg.options, model)
 
     def on_grad(grad: torch.Tensor) -> torch.Tensor:
         # A tensor hook runs before the gradient is accumulated, so before
@@ -141,6 +155,8 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
             grown = first_after_reform and world > before and _rank() == 0
             if heal_marker is not None and grown and _claim(heal_marker):
                 _kill_node()
+            if gates is not None:
+                gates(steps[0], first_start=first_start)
             held = hold if steps[0] == hold_at and first_start else _paced(pause, pause_file)
             if held and (_rank() != 0 or _world_size() == 1):
                 time.sleep(held)  # a world of one keeps the pace, with no all-reduce to wait in
@@ -150,6 +166,34 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
     for param in params:
         param.register_hook(on_grad)
     return model
+
+
+def _gates(options: Mapping[str, Any], model: nn.Module) -> Callable[..., None] | None:
+    """``wait_dir``'s gates (the module docstring), called at each step's last gradient."""
+    if not options.get("wait_dir"):
+        return None
+    directory = Path(str(options["wait_dir"]))
+    at_steps = {int(s) for s in str(options.get("wait_at_steps", "")).split(",") if s}
+    joiner = ASYNC_JOIN_ENV in os.environ
+    if joiner:
+        on_exit_now(lambda code: torch.save(model.state_dict(), directory / "joiner-final.pt"))
+
+    def wait(step: int, *, first_start: bool) -> None:
+        if joiner and step == 1:  # the warm-up, before the request to join
+            (directory / "joiner-waiting").touch()
+            _wait_for(directory / "go-joiner")
+        elif first_start and step in at_steps and _rank() != 0:
+            _wait_for(directory / f"go-{step}")
+
+    return wait
+
+
+def _wait_for(gate: Path) -> None:
+    deadline = time.monotonic() + _GATE_TIMEOUT_S
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test never opened {gate}")
+        time.sleep(0.02)
 
 
 def _die_if_sending_state(marker: Path, *, stop: bool) -> None:

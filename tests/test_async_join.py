@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from chaos_runs import (
     assert_completed_exactly_once,
+    assert_ran_exactly_once,
     log_events,
     resumes_by_process,
     worker_records,
@@ -33,6 +34,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch_support import needs_inprocess
 
+from elastic_train.audit import AuditTail, StepRecord
 from elastic_train.errors import InProcessRecoveryError, MemberLostError
 from elastic_train.etcd.codec import ValueCodec
 from elastic_train.etcd.group_marker import ActiveGroup, write_active
@@ -393,6 +395,72 @@ def _check_healed(run_dir: Path, admitted: dict) -> None:
     records = [r for r in worker_records(run_dir, "step") if r["step"] == admitted["step"] + 1]
     by_node = {r["node"]: r["indices"] for r in records if r["world_size"] == 3}
     assert by_node["node1"] == [] and by_node["node0"] and by_node["node2"], by_node
+
+
+#: steps of the join at the last boundary; its pace keeps every step a check step
+#: (preemption.CHECK_SECONDS, 0.25 s), where rank 0's vote and the group's readiness go
+SETTLE_STEPS = 8
+SETTLE_PACE_S = 0.3
+
+
+@needs_inprocess
+@pytest.mark.slow
+def test_a_joiner_admitted_after_the_last_step_loads_the_members_final_state(
+    tmp_path: Path,
+) -> None:
+    """A join admitted at the boundary after the run's last step has no step to heal
+    in: the joiner loads what rank 0 sent as it is (``heal.settle``) before the run's
+    final collectives, and ends with rank 0's final weights.
+
+    The test opens gates in order (``fault_hooks``' ``wait_dir``): the joiner asks
+    while the members wait in step 7; rank 0's vote goes with step 7's check once it
+    saw the request; the members wait in step 8 until both formed the next group, so
+    step 8's check finds it ready and the switch comes after the last step."""
+    run_dir, gates = tmp_path / "run", tmp_path / "gates"
+    gates.mkdir()
+    last = SETTLE_STEPS
+    pace = Pace(tmp_path / "pause", SETTLE_PACE_S)
+    command = [
+        "--nodes", "2", "--min-nodes", "1", "--chaos", "join:2@step1",
+        "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0",
+        "--data.name=synthetic", "--data.num_samples=96", "--training.global_batch_size=16",
+        f"--training.steps={last}", "--training.micro_batch_size=0",
+        "--model.name=tests.fault_hooks:probe_mlp", f"--model.options.pause_file={pace.path}",
+        f"--model.options.wait_dir={gates}", f"--model.options.wait_at_steps={last - 1},{last}",
+        # The gates hold steps for seconds: no step timeout (pg_timeout_seconds throughout).
+        "--elastic.recovery=inprocess", "--elastic.inprocess_timeout_multiple=0",
+    ]  # fmt: skip
+    logs = run_dir / "logs"
+    tail, reached = AuditTail(run_dir / "audit"), [0]
+
+    def members(event: str) -> list[list[dict]]:  # either member may be rank 0
+        paths = [logs / f"node{i}.log" for i in (0, 1)]
+        return [log_events(path, event) if path.exists() else [] for path in paths]
+
+    def open_gates() -> None:
+        reached[0] = max([reached[0], *(r.step for r in tail.poll() if isinstance(r, StepRecord))])
+        if (gates / "joiner-waiting").exists() and reached[0] >= last - 1:
+            (gates / "go-joiner").touch()
+        if (gates / "go-joiner").exists() and any(members("inprocess_join_requested")):
+            (gates / f"go-{last - 1}").touch()
+        if all(members("inprocess_next_group_formed")):
+            (gates / f"go-{last}").touch()
+
+    summary = run_steered(run_dir, command, pace=pace, nodes=0, on_tick=open_gates)
+    assert_ran_exactly_once(summary, steps=last)  # the join's recovery has no step after it
+    admitted = [e for events in members("inprocess_admitted") for e in events]
+    assert [(e["step"], e["world_size"]) for e in admitted] == [(last, 3)] * 2, admitted
+    (started,) = log_events(logs / "node2.log", "inprocess_heal_started")
+    (healed,) = log_events(logs / "node2.log", "inprocess_healed")
+    (sent,) = [e for events in members("inprocess_heal_sent") for e in events]
+    assert started["role"] == "joiner" and started["step"] == healed["step"] == last
+    assert healed["bytes"] == sent["bytes"] > 0
+    assert not [r for r in worker_records(run_dir, "step") if r["node"] == "node2"]
+    final = torch.load(run_dir / "audit" / "final_params.pt", weights_only=True)
+    joiner = torch.load(gates / "joiner-final.pt", weights_only=True)
+    assert final.keys() == joiner.keys()
+    for name, value in final.items():
+        assert torch.equal(joiner[name], value), name
 
 
 def test_a_member_waiting_for_rank0s_proposal_notices_that_rank0_died(

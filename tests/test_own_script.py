@@ -23,6 +23,7 @@ from chaos_runs import (
 )
 from steered_runs import JOIN_WAIT_S, Pace, run_steered
 from torch import nn
+from workers import run_code
 
 from elastic_train.api import fit
 from elastic_train.errors import EXIT_CONFIG_ERROR
@@ -115,9 +116,7 @@ def test_a_wrong_loss_form_is_refused_naming_the_script_loss(tmp_path: Path) -> 
         "fit(model=nn.Linear(4, 2), dataset=[(torch.zeros(4), 0)] * 8, loss=mean_loss, argv=["
         f"'--checkpoint.dir={tmp_path}', '--training.steps=2'])\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120
-    )
+    done = run_code(code, [])
     assert done.returncode == EXIT_CONFIG_ERROR, done.stderr[-2000:]
     assert "fit(loss=mean_loss) (model.loss_form = 'per_sample')" in done.stderr
     assert "one loss per sample" in done.stderr
@@ -173,10 +172,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     args = [f"--checkpoint.dir={tmp_path}", "--training.steps=2", "--training.global_batch_size=8"]
 
     def run(width: int) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-c", code, str(width), *args],
-            env=ENV, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        return run_code(code, [str(width), *args])
 
     first = run(8)
     assert first.returncode == 0, first.stderr[-2000:]

@@ -1,5 +1,6 @@
 """Start the worker processes of multi-process tests, and one-process trainer runs
-(``run_main``: ``python -m elastic_train.main`` without a new interpreter).
+(``run_main``: ``python -m elastic_train.main``, ``run_code``: ``python -c``, without
+a new interpreter).
 
 Not ``fork``: by the time a test runs, the pytest process may hold gRPC and gloo
 threads left by earlier tests, and a forked child can abort (SIGABRT) on their
@@ -40,11 +41,10 @@ def start_workers(fn: Callable[..., None], *, args: tuple[Any, ...], nprocs: int
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=True)
 
 
-def _main_child(argv: list[str], out_dir: str, sys_path: list[str]) -> None:
-    """``python -m elastic_train.main ARGV``, in a child of the forkserver."""
-    sys.path[:0] = sys_path
+def _as_a_new_interpreter(out_dir: str, argv: list[str]) -> None:
+    """In a child of the forkserver: what a new interpreter would have. Its output to
+    files (the server's children are not the pytest process's: capfd sees nothing)."""
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        # The forkserver's children are not the pytest process's: capfd sees nothing.
         target = os.open(os.path.join(out_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
@@ -53,9 +53,36 @@ def _main_child(argv: list[str], out_dir: str, sys_path: list[str]) -> None:
     # the platform's default, which the DataLoader's workers use (forked from here, not
     # from the server, which has not imported the trainer's data and writes elsewhere).
     multiprocessing.set_start_method(None, force=True)
-    sys.argv = ["elastic_train.main", *argv]
+    sys.argv = argv
+
+
+def _main_child(out_dir: str, argv: list[str], sys_path: list[str]) -> None:
+    """``python -m elastic_train.main ARGV``, in a child of the forkserver."""
+    sys.path[:0] = sys_path
+    _as_a_new_interpreter(out_dir, ["elastic_train.main", *argv])
     # The module's __main__ block, exit code included (it ends in exit_now).
     runpy.run_module("elastic_train.main", run_name="__main__", alter_sys=True)
+
+
+def _code_child(out_dir: str, code: str, argv: list[str]) -> None:
+    """``python -c CODE ARGV``, in a child of the forkserver."""
+    _as_a_new_interpreter(out_dir, ["-c", *argv])
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
+def _run_child(target: Callable[..., None], args: tuple[Any, ...], *, what: list[str],
+               timeout: float) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    context = _forkserver()
+    with tempfile.TemporaryDirectory(prefix="main-") as out_dir:
+        child = context.Process(target=target, args=(out_dir, *args))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(what, timeout)
+        out, err = (Path(out_dir, n).read_text(errors="replace") for n in ("stdout", "stderr"))
+    return subprocess.CompletedProcess(what, child.exitcode, out, err)
 
 
 def run_main(
@@ -64,14 +91,13 @@ def run_main(
     """``python -m elastic_train.main ARGV``, forked from the forkserver: the same
     ``__main__`` block and exit code, without importing torch again (3-5 s of CPU a
     launch on a 2-core box). ``sys_path`` goes in front, as PYTHONPATH would."""
-    context = _forkserver()
-    with tempfile.TemporaryDirectory(prefix="main-") as out_dir:
-        child = context.Process(target=_main_child, args=(list(argv), out_dir, list(sys_path)))
-        child.start()
-        child.join(timeout)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
-            raise subprocess.TimeoutExpired(["elastic_train.main", *argv], timeout)
-        out, err = (Path(out_dir, n).read_text(errors="replace") for n in ("stdout", "stderr"))
-    return subprocess.CompletedProcess(["elastic_train.main", *argv], child.exitcode, out, err)
+    return _run_child(_main_child, (list(argv), list(sys_path)),
+                      what=["elastic_train.main", *argv], timeout=timeout)  # fmt: skip
+
+
+def run_code(
+    code: str, argv: Sequence[str], *, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE ARGV``, forked from the forkserver, as :func:`run_main`; a
+    ``SystemExit``'s code is the exit code, an uncaught exception's 1."""
+    return _run_child(_code_child, (code, list(argv)), what=["-c", *argv], timeout=timeout)

@@ -103,7 +103,11 @@ class JoinWatch:
     def _run(self) -> None:
         while not self._closed.is_set():
             try:
-                self._requests, revision = self._membership.join_requests()
+                requests, revision = self._membership.join_requests()
+                seen = {m.id for m in self._requests}
+                if new := [m.id for m in requests if m.id not in seen]:
+                    log.info("inprocess_join_requested", joiners=new)
+                self._requests = requests
                 self._membership.watch_joins(start_revision=revision + 1, timeout=_WATCH_S)
             except Exception as exc:  # etcd's, or a client closed under the thread
                 if self._closed.is_set():

@@ -184,6 +184,7 @@ class Formation:
             group.group.barrier().wait()  # pairs with the joiners' (inprocess.form_group)
             self.seconds = {"admission_s": round(admitted - started, 4),
                             "formation_s": round(time.perf_counter() - admitted, 4)}  # fmt: skip
+            log.info("inprocess_next_group_formed", generation=gen.number, **self.seconds)
         except Exception as exc:  # etcd's, torch's DistError, MemberLostError: all end the same
             self.error = f"{type(exc).__name__}: {exc}"
             log.warning("inprocess_next_group_failed", error=self.error[:300])
