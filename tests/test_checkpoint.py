@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from structlog.testing import capture_logs
+from workers import run_code
 
 from elastic_train.errors import (
     CheckpointCorruptError,
@@ -284,13 +285,15 @@ _CHILD = textwrap.dedent(
 
 
 def _run_child(directory: Path, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", _CHILD, str(directory), mode],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    if mode == "exit-while-writing":  # the interpreter's own exit: a new one
+        return subprocess.run(
+            [sys.executable, "-c", _CHILD, str(directory), mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    return run_code(_CHILD, [str(directory), mode])  # forked: torch is imported
 
 
 def _assert_only_step_1_is_complete(directory: Path) -> None:

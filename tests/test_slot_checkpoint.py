@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from elastic_train.cli import EXIT_USAGE
+from elastic_train.cli import EXIT_USAGE, main
 from elastic_train.state.checkpoint import CheckpointManager
 from elastic_train.state.checkpoint_files import MANIFEST, SLOT_FILE, SLOT_FORMAT, STATE_FILE
 from elastic_train.state.snapshot_layout import ALGORITHM, HEADER_BYTES, pack, verify
@@ -151,9 +150,15 @@ def test_a_damaged_slot_checkpoint_falls_back_to_the_previous_good(tmp_path: Pat
 # -- elastic-train export: a checkpoint's weights for torch.load -----------------------
 
 
-def _export(source: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "elastic_train.cli", "export", str(source), str(out)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+def _export(
+    source: Path, out: Path, capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
+    """``elastic-train export SOURCE OUT``, through the CLI's ``main`` in this process
+    (the entry point itself runs in every ``elastic-train local`` test)."""
+    argv = ["export", str(source), str(out)]
+    code = main(argv)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
 
 
 def _assert_exported(out: Path, weights: dict[str, torch.Tensor]) -> None:
@@ -167,24 +172,28 @@ def _assert_exported(out: Path, weights: dict[str, torch.Tensor]) -> None:
         assert all(torch.equal(loaded[name], tensor) for name, tensor in weights.items())
 
 
-def test_export_writes_either_kind_of_checkpoint_as_plain_weights(tmp_path: Path) -> None:
+def test_export_writes_either_kind_of_checkpoint_as_plain_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A script that torch.loads the weights gets them from a state.slot too."""
     directory = tmp_path / "ckpt"
     manager = CheckpointManager(directory, keep=3, fingerprint=FP, async_save=False, is_writer=True)
     manager.save(1, _state(1.0))  # the trainer writer's state.pt
     _write_slot(manager, 2, _state(2.0))  # the node agent's state.slot: the newest
-    done = _export(directory, tmp_path / "newest")
+    done = _export(directory, tmp_path / "newest", capsys)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.splitlines()[-1])
     assert Path(summary["source"]) == directory / "step-000000002"
     assert summary["tensors"] == 2 and summary["elements"] == 4 * 3 + 3
     _assert_exported(tmp_path / "newest", _state(2.0)["model"])
-    done = _export(directory / "step-000000001", tmp_path / "first")
+    done = _export(directory / "step-000000001", tmp_path / "first", capsys)
     assert done.returncode == 0, done.stderr
     _assert_exported(tmp_path / "first", _state(1.0)["model"])
 
 
-def test_export_refuses_a_damaged_or_missing_source_and_writes_nothing(tmp_path: Path) -> None:
+def test_export_refuses_a_damaged_or_missing_source_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     manager = CheckpointManager(tmp_path, keep=3, fingerprint=FP, async_save=False, is_writer=True)
     _write_slot(manager, 1, _state(1.0))
     _flip(lambda n: HEADER_BYTES + 40)(tmp_path / "step-000000001" / SLOT_FILE)
@@ -192,7 +201,7 @@ def test_export_refuses_a_damaged_or_missing_source_and_writes_nothing(tmp_path:
         (tmp_path, "unusable checkpoint: "),
         (tmp_path / "nowhere", "no such file or directory"),
     ):
-        done = _export(source, tmp_path / "out")
+        done = _export(source, tmp_path / "out", capsys)
         assert done.returncode == EXIT_USAGE, done.stderr
         # The checkpoint directory's error names the step it tried.
         assert f"elastic-train export: error: SOURCE = '{source}" in done.stderr

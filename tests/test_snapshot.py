@@ -8,7 +8,6 @@ import random
 import signal
 import stat
 import subprocess
-import sys
 import textwrap
 import time
 import uuid
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from workers import start_workers
+from workers import ForkedChild, start_workers
 
 from elastic_train.errors import SnapshotError
 from elastic_train.state.restore import (
@@ -238,8 +237,8 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _child(run_id: str, root: Path, mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _CHILD, run_id, str(root), mode])
+def _child(run_id: str, root: Path, mode: str) -> ForkedChild:
+    return ForkedChild(_CHILD, [run_id, str(root), mode])  # forked: torch is imported
 
 
 @pytest.mark.slow

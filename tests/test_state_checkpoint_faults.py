@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from workers import ForkedChild
 
 from elastic_train.errors import CheckpointWriteError
 from elastic_train.state.checkpoint import CheckpointManager
@@ -147,7 +147,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _kill_when(child: subprocess.Popen, marker: Path, text: str, timeout: float = 60) -> None:
+def _kill_when(child: ForkedChild, marker: Path, text: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not (marker.exists() and marker.read_text() == text):
         assert child.poll() is None, f"the saving child exited with {child.returncode}"
@@ -174,7 +174,7 @@ def test_sigkill_during_the_replace_leaves_loadable_checkpoints(
     tmp_path: Path, point: str, latest: tuple[int, float], older: tuple[int, float]
 ) -> None:
     directory, marker = tmp_path / "ckpt", tmp_path / "marker"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(directory), point, str(marker)])
+    child = ForkedChild(_CHILD, [str(directory), point, str(marker)])
     try:
         _kill_when(child, marker, point)
     finally:
@@ -197,10 +197,8 @@ def test_sigkill_at_random_moments_of_saves_and_replaces(tmp_path: Path) -> None
     directory, marker = tmp_path / "ckpt", tmp_path / "marker"
     rng = random.Random(18)
     loaded = []
-    for _ in range(2):  # a child process starts in 2-5 s here
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(directory), "random", str(marker)]
-        )
+    for _ in range(5):  # forked from the forkserver: a child starts in milliseconds
+        child = ForkedChild(_CHILD, [str(directory), "random", str(marker)])
         try:
             deadline = time.monotonic() + 60
             while not marker.exists() or not any(directory.glob("step-*")):

@@ -15,6 +15,7 @@ import multiprocessing
 import multiprocessing.context
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,3 +102,36 @@ def run_code(
     """``python -c CODE ARGV``, forked from the forkserver, as :func:`run_main`; a
     ``SystemExit``'s code is the exit code, an uncaught exception's 1."""
     return _run_child(_code_child, (code, list(argv)), what=["-c", *argv], timeout=timeout)
+
+
+class ForkedChild:
+    """What the tests use of a ``Popen``, for ``python -c CODE ARGV`` forked from the
+    forkserver and left running (a test kills it at a moment of its choosing)."""
+
+    def __init__(self, code: str, argv: Sequence[str]) -> None:
+        self._out = tempfile.TemporaryDirectory(prefix="code-")
+        self._process = _forkserver().Process(
+            target=_code_child, args=(self._out.name, code, list(argv))
+        )
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode  # -N for signal N, as Popen's
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["-c"], timeout or 0.0)
+        self._out.cleanup()
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
