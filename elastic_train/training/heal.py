@@ -137,14 +137,17 @@ def begin(t: Trainer, hooks: LoopHooks, *, members: int, step: int) -> None:
     rank, world = t.ctx.rank, t.ctx.world_size
     light: dict[str, Any] | None = None
     raw: Any = None
+    started = time.perf_counter()
     if rank < members:  # rank 0 packs, the other members pass theirs (nothing decoded)
         state = hooks.state_dict(t)
         light = {k: v for k, v in state.items() if k not in HEAVY}
         if rank == 0:
             raw = pack({k: state[k] for k in HEAVY}, step=step, fingerprint=_FINGERPRINT)
         light[_SIZE_KEY] = len(raw) if raw is not None else 0
+    packed = time.perf_counter()
     shipped = broadcast_state(light, 0, None, fingerprint="inprocess", step=step,
                               map_location=t.ctx.device)  # fmt: skip
+    light_s = time.perf_counter() - packed
     nbytes = int(shipped[_SIZE_KEY])
     if rank == 0:
         payload = torch.frombuffer(raw, dtype=torch.uint8)
@@ -162,7 +165,8 @@ def begin(t: Trainer, hooks: LoopHooks, *, members: int, step: int) -> None:
     else:
         t.heal = Transfer(members, step, "member", nbytes)
     log.info("inprocess_heal_started", step=step, members=members, world_size=world,
-             role=t.heal.role)  # fmt: skip
+             role=t.heal.role, pack_s=round(packed - started, 4), light_s=round(light_s, 4),
+             post_s=round(time.perf_counter() - packed - light_s, 4))  # fmt: skip
 
 
 def _pieces(payload: torch.Tensor) -> list[torch.Tensor]:
