@@ -314,9 +314,9 @@ def test_an_installed_group_is_torchs_default_group_and_goes_like_one() -> None:
 # -- end to end ------------------------------------------------------------------------
 
 JOIN_STEPS = 500
-#: The pause of a step from the kill until the rejoined world trains: 340 steps after
-#: the join's trigger (about 15 s) give a joiner time to start and be admitted (about
-#: 5 s on a loaded 2-core box); the steps after the join run without a pause.
+#: The pause of a step from the kill until the rejoined world trains: the 440 steps
+#: after the join's trigger (about 20 s at 45 ms) give a joiner time to start and be
+#: admitted (about 5 s on a loaded 2-core box); the steps after the join run unpaced.
 JOIN_PAUSE_S = 0.03
 
 
