@@ -55,7 +55,6 @@ def test_a_node_stopped_while_it_sends_a_joiner_the_state_is_re_formed_around(
     # SIGSTOP: its sockets stay open, and only the floor timeout ends the receives
     # that wait for it (a SIGKILL closes them: the heal test below). In the
     # switch's broadcast of the whole state, heal_joins off: the suite's run of it.
-    fault = "stop"
     run_dir = tmp_path / "run"
     marker = tmp_path / "died.json"
     pace = Pace(tmp_path / "pause", PAUSE_S)
@@ -71,7 +70,7 @@ def test_a_node_stopped_while_it_sends_a_joiner_the_state_is_re_formed_around(
         "--nodes", "3", "--min-nodes", "2", "--chaos", "join:3@step3",
         "--run-dir", str(run_dir), "--timeout", "240", "--metrics-port", "0", *JOB,
         f"--model.options.pause_file={pace.path}", f"--model.options.die_sending_state={marker}",
-        f"--model.options.sending_state_fault={fault}", "--elastic.recovery=inprocess",
+        "--model.options.sending_state_fault=stop", "--elastic.recovery=inprocess",
         f"--elastic.pg_timeout_seconds={PG_TIMEOUT_S}",
         f"--elastic.inprocess_timeout_floor_seconds={FLOOR_S}",
         "--elastic.heal_joins=false",

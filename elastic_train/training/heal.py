@@ -147,7 +147,7 @@ def begin(t: Trainer, hooks: LoopHooks, *, members: int, step: int) -> None:
     packed = time.perf_counter()
     shipped = broadcast_state(light, 0, None, fingerprint="inprocess", step=step,
                               map_location=t.ctx.device)  # fmt: skip
-    light_s = time.perf_counter() - packed
+    broadcast = time.perf_counter()
     nbytes = int(shipped[_SIZE_KEY])
     if rank == 0:
         payload = torch.frombuffer(raw, dtype=torch.uint8)
@@ -165,8 +165,9 @@ def begin(t: Trainer, hooks: LoopHooks, *, members: int, step: int) -> None:
     else:
         t.heal = Transfer(members, step, "member", nbytes)
     log.info("inprocess_heal_started", step=step, members=members, world_size=world,
-             role=t.heal.role, pack_s=round(packed - started, 4), light_s=round(light_s, 4),
-             post_s=round(time.perf_counter() - packed - light_s, 4))  # fmt: skip
+             role=t.heal.role, pack_s=round(packed - started, 4),
+             light_s=round(broadcast - packed, 4),
+             post_s=round(time.perf_counter() - broadcast, 4))  # fmt: skip
 
 
 def _pieces(payload: torch.Tensor) -> list[torch.Tensor]:
