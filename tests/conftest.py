@@ -7,6 +7,7 @@ import fcntl
 import os
 import secrets
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,17 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     more at once is untested.
     """
     return min(2, len(os.sched_getaffinity(0)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The torchrun agents the tests start write their per-attempt directories into
+    one directory that the session removes (``PET_LOG_DIR`` is torchrun's
+    ``--log-dir``): by default each leaves a ``torchelastic_*`` directory in /tmp for
+    good. Set before xdist starts its workers, which inherit it."""
+    if "PET_LOG_DIR" not in os.environ:
+        path = tempfile.mkdtemp(prefix="elastic-train-tests-torchrun-")
+        os.environ["PET_LOG_DIR"] = path
+        config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -145,12 +145,14 @@ def run_steered(
     return json.loads(summary_path.read_text())  # type: ignore[no-any-return]
 
 
-def run_steered_kill_then_join(run_dir: Path, *args: str, pace: Pace) -> dict:
+def run_steered_kill_then_join(
+    run_dir: Path, *args: str, pace: Pace, env: dict[str, str] | None = None
+) -> dict:
     """chaos_runs.run_kill_then_join, steered: ``args`` train the steered model
     (``STEERED_MLP``), whose forwards read ``pace``'s file."""
     command = [*KILL_THEN_JOIN, "--run-dir", str(run_dir), "--timeout", "240",
                "--metrics-port", "0", *args, f"--model.options.pause_file={pace.path}"]  # fmt: skip
-    return run_steered(run_dir, command, pace=pace, nodes=3, join_wait=JOIN_WAIT_S)
+    return run_steered(run_dir, command, pace=pace, nodes=3, join_wait=JOIN_WAIT_S, env=env)
 
 
 def forked_reference(out: Path, cli_args: Sequence[str]) -> tuple[dict[str, torch.Tensor], float]:

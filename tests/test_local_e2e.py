@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from chaos_runs import PACED_STEPS, assert_completed_exactly_once, log_events
-from steered_runs import STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
+from steered_runs import ENV, STEERED_MLP, Pace, assert_ends_like, run_steered_kill_then_join
 from torch_support import needs_inprocess
 
 STEPS = PACED_STEPS
@@ -22,16 +22,23 @@ TRAINER_ARGS = [*STEERED_MLP, *EVAL_EVERY_STEP]
 
 
 @pytest.fixture(scope="module")
-def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, Path]:
     """``elastic-train local --nodes 3`` with a kill at world size 3 and a join at 2."""
     run_dir = tmp_path_factory.mktemp("chaos")
     pace = Pace(run_dir.parent / f"{run_dir.name}-pause", 0.1)
-    return run_steered_kill_then_join(run_dir, *TRAINER_ARGS, pace=pace), run_dir
+    # A temporary directory of its own: what the run leaves there is the run's litter.
+    tmp = tmp_path_factory.mktemp("chaos-tmp")
+    # Without the session's PET_LOG_DIR (conftest.py): --log-dir is what's tested.
+    env = {**{k: v for k, v in ENV.items() if k != "PET_LOG_DIR"}, "TMPDIR": str(tmp)}
+    summary = run_steered_kill_then_join(run_dir, *TRAINER_ARGS, pace=pace, env=env)
+    return summary, run_dir, tmp
 
 
 @pytest.mark.slow
-def test_kill_and_join_on_three_nodes_complete_exactly_once(chaos_run: tuple[dict, Path]) -> None:
-    summary, run_dir = chaos_run
+def test_kill_and_join_on_three_nodes_complete_exactly_once(
+    chaos_run: tuple[dict, Path, Path],
+) -> None:
+    summary, run_dir, _ = chaos_run
     assert_completed_exactly_once(summary, steps=STEPS)
     assert f"{STEPS // 6} finished epochs" in summary["exactly_once_detail"]
     for recovery in summary["recoveries"]:
@@ -44,10 +51,21 @@ def test_kill_and_join_on_three_nodes_complete_exactly_once(chaos_run: tuple[dic
 
 
 @pytest.mark.slow
-def test_resized_run_ends_where_an_uninterrupted_run_does(
-    chaos_run: tuple[dict, Path], tmp_path: Path
+def test_the_agents_keep_their_torchrun_logs_in_the_run_dir_not_in_tmp(
+    chaos_run: tuple[dict, Path, Path],
 ) -> None:
-    summary, run_dir = chaos_run
+    _, run_dir, tmp = chaos_run
+    # torchrun's default is a new torchelastic_* directory in $TMPDIR per agent, never removed.
+    assert not list(tmp.glob("torchelastic_*")), sorted(p.name for p in tmp.iterdir())
+    # One per agent started: the three nodes and the rejoined one.
+    assert len(list((run_dir / "logs" / "torchelastic").iterdir())) == 4
+
+
+@pytest.mark.slow
+def test_resized_run_ends_where_an_uninterrupted_run_does(
+    chaos_run: tuple[dict, Path, Path], tmp_path: Path
+) -> None:
+    summary, run_dir, _ = chaos_run
     # The reference: the same config, one process (forked), no torchrun, no faults,
     # and no pause file (a sleep does not change the arithmetic).
     assert_ends_like(summary, run_dir, tmp_path / "reference", TRAINER_ARGS)
@@ -56,12 +74,12 @@ def test_resized_run_ends_where_an_uninterrupted_run_does(
 @needs_inprocess
 @pytest.mark.slow
 def test_a_join_at_a_step_that_evaluates_keeps_every_process(
-    chaos_run: tuple[dict, Path],
+    chaos_run: tuple[dict, Path, Path],
 ) -> None:
     """The members admit after the boundary's evaluation, run at the old size, and
     the joiner starts with the next step. Admitted before it, a member evaluated with
     the joiner while the joiner trained: gloo aborted the worker on the mismatch."""
-    summary, run_dir = chaos_run
+    summary, run_dir, _ = chaos_run
     assert [r["restore_source"] for r in summary["recoveries"]] == ["inprocess", "inprocess"]
     node0 = run_dir / "logs" / "node0.log"
     (admitted,) = log_events(node0, "inprocess_admitted")

@@ -305,6 +305,8 @@ class LocalCluster:
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
             f"--max-restarts={spec.max_restarts}",
+            # Without it every agent leaves a torchelastic_* directory in /tmp for good.
+            f"--log-dir={self.run_dir / 'logs' / 'torchelastic'}",
             *conf,
             spec.script,
             *self.worker_args(),
