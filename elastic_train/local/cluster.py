@@ -296,17 +296,14 @@ class LocalCluster:
             rdzv_conf = with_secret_file(rdzv_conf, self.secret_file)
         conf = [f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []
         return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *(sys.executable, "-m", "torch.distributed.run"),
             f"--nnodes={spec.nnodes}",
             f"--nproc-per-node={spec.nproc_per_node}",
             f"--rdzv-backend={spec.rdzv_backend}",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
             f"--max-restarts={spec.max_restarts}",
-            # Without it every agent leaves a torchelastic_* directory in /tmp for good.
-            f"--log-dir={self.run_dir / 'logs' / 'torchelastic'}",
+            f"--log-dir={self.run_dir / 'logs' / 'torchelastic'}",  # not a new /tmp dir each
             *conf,
             spec.script,
             *self.worker_args(),
