@@ -58,7 +58,7 @@ def test_the_agents_keep_their_torchrun_logs_in_the_run_dir_not_in_tmp(
     # torchrun's default is a new torchelastic_* directory in $TMPDIR per agent, never removed.
     assert not list(tmp.glob("torchelastic_*")), sorted(p.name for p in tmp.iterdir())
     # One per agent started: the three nodes and the rejoined one.
-    assert len(list((run_dir / "logs" / "torchelastic").iterdir())) == 4
+    assert len(list((run_dir / "torchelastic").iterdir())) == 4
 
 
 @pytest.mark.slow

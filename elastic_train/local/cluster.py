@@ -303,7 +303,7 @@ class LocalCluster:
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
             f"--max-restarts={spec.max_restarts}",
-            f"--log-dir={self.run_dir / 'logs' / 'torchelastic'}",  # not a new /tmp dir each
+            f"--log-dir={self.run_dir / 'torchelastic'}",  # not a new /tmp dir per agent
             *conf,
             spec.script,
             *self.worker_args(),
