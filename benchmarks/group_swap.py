@@ -288,7 +288,10 @@ def measure(
     variant: Variant, workdir: Path, *, before: int, after: int, pace_ms: float
 ) -> dict[str, Any]:
     del workdir  # nothing on disk
-    ctx = mp.get_context("spawn")
+    # One server imports torch and forks the ranks of every run: what is measured
+    # starts after the imports, which "spawn" paid once per rank (half of a smoke run's CPU).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "torch._dynamo", "torch.nn.parallel", __name__])
     queue, ports = ctx.Queue(), ctx.Queue()
     steps = (before, after, pace_ms / 1e3)
     procs = [

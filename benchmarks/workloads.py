@@ -19,6 +19,13 @@ BENCH_ENV = (("OMP_NUM_THREADS", "1"), ("LOGLEVEL", "INFO"))
 
 PLAIN_SCRIPT = Path(__file__).resolve().parent / "competitors" / "plain_ddp.py"
 
+#: False: each node's agent starts as an interpreter of its own, as on a cluster, and
+#: a node that joins pays its own imports. True: forked from one launcher that imported
+#: torch once, as ``elastic-train local`` does. tests/test_benchmarks_smoke.py sets it:
+#: a smoke run's numbers are not results, and its CPU is the suite's (28 of the
+#: goodput smoke's 82 s).
+FORK_AGENTS = False
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -101,8 +108,6 @@ def cluster_spec(
         env=env,
         # Teardown between repetitions: the benchmark has its numbers by then.
         grace_s=0.5,
-        # Each agent starts as an interpreter of its own, as on a cluster: a node that
-        # joins pays its own imports (elastic-train local forks them from one launcher).
-        fork_agents=False,
+        fork_agents=FORK_AGENTS,
         **spec,
     )

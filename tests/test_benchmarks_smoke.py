@@ -25,10 +25,19 @@ from benchmarks import (
     rendezvous_scale,
     report,
     scaleup,
+    workloads,
 )
 from benchmarks import throughput as throughput_bench
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def forked_agents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes' agents fork from one launcher that imported torch once: a third of
+    the CPU of a smoke run on 2 cores, which the other test file running beside it
+    needs more than a smoke run needs the cluster's start-up (benchmarks.workloads)."""
+    monkeypatch.setattr(workloads, "FORK_AGENTS", True)
 
 
 def run(module: Any, out: Path, *args: str) -> dict[str, Any]:
