@@ -272,8 +272,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.smoke:
-        args.minutes, args.every, args.fault_free_worlds = 0.25, 5.0, "3"
-        # The fault-free window only has to hold steady steps: 6 s, not the soak's 15.
+        args.minutes, args.every, args.fault_free_worlds = 0.15, 3.0, "3"
+        # The fault-free window only has to hold steady steps: 6 s, not the soak's 9.
         args.fault_free_minutes = args.fault_free_minutes or 0.1
     seconds = args.minutes * 60.0
     free_seconds = 60.0 * (args.fault_free_minutes or args.minutes)

@@ -267,7 +267,7 @@ def test_goodput_smoke_ours(tmp_path: Path) -> None:
     check_machine(result)
     free, soak = only_run(result, "ours-fault-free"), only_run(result, "ours")
     schedule = [(e["kind"], e["at_seconds"]) for e in result["settings"]["schedule"]]
-    assert schedule == [("kill", 5.0), ("join", 10.0)]
+    assert schedule == [("kill", 3.0), ("join", 6.0)]
     kill, join = soak["events"]
     assert kill["outcome"] == join["outcome"] == "delivered" and kill["node"] == join["node"]
     assert kill["seconds"] > 0 and kill["lost_steps"] >= 0, kill
