@@ -32,7 +32,7 @@ from typing import TextIO
 from elastic_train.errors import EXIT_CONFIG_ERROR, ConfigError
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.etcd.server import free_port
-from elastic_train.log import get_logger
+from elastic_train.log import exit_now, get_logger
 
 log = get_logger(__name__)
 
@@ -59,9 +59,9 @@ def _spawned_worker(
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(restart)
     from elastic_train.main import main
 
-    code = main(argv)
-    if code:
-        sys.exit(code)
+    # As main.py's own entry: the interpreter's teardown after torch took about 2 s
+    # of each worker's exit, and the group's end waits for the last one.
+    exit_now(main(argv, release=False))
 
 
 def spawn(nproc: int, argv: Sequence[str], *, max_restarts: int = 0) -> int:
