@@ -255,6 +255,7 @@ def _slurm_env(tmp_path: Path, *, job_id: str, checkpoints: Path) -> dict[str, s
         "ELASTIC_TRAIN_METRICS_PORT": "0",
     }  # fmt: skip
     env.pop("ELASTIC_TRAIN_ETCD_ENDPOINT", None)
+    env.pop("PET_LOG_DIR", None)  # conftest's; the script passes its own --log-dir
     return env
 
 
@@ -306,9 +307,10 @@ def test_slurm_script_preempts_on_usr1_and_a_resubmission_finishes(
     assert (tmp_path / "srun-4242").read_text().split() == [
         "--ntasks-per-node=1", "--kill-on-bad-exit=0",
     ]  # fmt: skip
-    # The script's etcd is gone with the job.
+    # The script's etcd is gone with the job, and torchrun left nothing in TMPDIR.
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", int(first["ETCD_PORT"])), timeout=1).close()
+    assert not list(tmp_path.glob("torchelastic_*")), "torchrun's log directories outlived the job"
 
     second = _slurm_env(tmp_path, job_id="4243", checkpoints=checkpoints)
     log = tmp_path / "job-4243.log"
