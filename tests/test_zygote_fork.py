@@ -32,13 +32,16 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the zygote is L
 AGENT = """
 import json, os, signal, sys, threading, time
 import torch, torch.distributed.run  # what torchrun has imported when it creates the handler
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig
 from elastic_train.agent import zygote as zygote_module
 from elastic_train.agent.zygote import fork_early
 mode, kept = sys.argv[1], open(sys.argv[2])
 # What torchrun does before it creates the handler; a CUDA build of torch asks the
 # driver for its devices here, and refuses CUDA in every fork of this process after.
-LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+# (A log_dir: by default the specs make a torchelastic_* directory in /tmp for good.)
+logs = DefaultLogsSpecs(log_dir=os.path.join(os.path.dirname(sys.argv[2]), "torchelastic"))
+LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, logs_specs=logs)
 if mode == "cuda-refused":  # the CPU build's answer, overridden: what a CUDA build says
     zygote_module._cuda_refused_here = lambda: True
 if mode == "thread":
