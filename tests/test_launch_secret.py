@@ -16,11 +16,12 @@ import psutil
 import pytest
 from test_local import WORKER, live_workers, wait_for
 
-from elastic_train.errors import ConfigError
+from elastic_train.errors import ConfigError, EtcdError
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.local import proctree
 from elastic_train.local.agent_forks import ForkedAgent
 from elastic_train.local.cluster import ClusterSpec, LocalCluster
+from elastic_train.local.embedded_etcd import start_embedded_etcd
 from elastic_train.local.rdzv_secret import SECRET_ENV, secret_source
 
 
@@ -72,8 +73,10 @@ def test_a_secret_in_the_environment_is_the_spec_s_secret(tmp_path: Path) -> Non
         secret_source("etcd", "oops", {})
 
 
-def _state_value(endpoint: str, run_id: str) -> bytes | None:
-    client = EtcdClient(EtcdClientConfig(endpoints=(endpoint,)))
+def _state_value(endpoint: str, run_id: str, login: dict[str, str]) -> bytes | None:
+    """The run's rendezvous state, read as ``login`` (no login: anonymously)."""
+    user, password = login.get("ETCD_USERNAME"), login.get("ETCD_PASSWORD")
+    client = EtcdClient(EtcdClientConfig(endpoints=(endpoint,), username=user, password=password))
     try:
         kv, _ = client.get(f"/elastic_train/{run_id}/state".encode())
     finally:
@@ -93,8 +96,18 @@ def test_a_local_run_signs_its_rendezvous_with_a_private_per_run_secret(tmp_path
         secret = secret_file.read_text().strip()
         assert re.fullmatch(r"[0-9a-f]{64}", secret)
         # Both agents rendezvoused with values signed by the secret (kind S), not unsigned.
-        state = _state_value(cluster.endpoint, cluster.run_id)
+        state = _state_value(cluster.endpoint, cluster.run_id, cluster.etcd_login)
         assert state is not None and state.startswith(b"ETv3S")
+        # The embedded etcd lets in only the run's own user: not a process that
+        # merely found the port, nor one that guesses the user without the password.
+        assert cluster.etcd_login["ETCD_USERNAME"] == "elastic-train"
+        password = cluster.etcd_login["ETCD_PASSWORD"]
+        assert re.fullmatch(r"[0-9a-f]{64}", password)
+        with pytest.raises(EtcdError, match=r"needs authentication.*ETCD_USERNAME"):
+            _state_value(cluster.endpoint, cluster.run_id, {})
+        guess = {"ETCD_USERNAME": "elastic-train", "ETCD_PASSWORD": "0" * 64}
+        with pytest.raises(EtcdError, match="rejected the credentials"):
+            _state_value(cluster.endpoint, cluster.run_id, guess)
         # The secret is in no argument and no environment of the run's processes (the
         # agents' launcher included), nor in what the agents were forked with.
         agents = [psutil.Process(node.proc.pid) for node in cluster.nodes.values()]
@@ -104,10 +117,25 @@ def test_a_local_run_signs_its_rendezvous_with_a_private_per_run_secret(tmp_path
         for proc in procs:
             assert secret not in " ".join(proc.cmdline())
             assert secret not in " ".join(proc.environ().values())
+            assert password not in " ".join(proc.cmdline())  # the environment carries it
         assert all(isinstance(node.proc, ForkedAgent) for node in cluster.nodes.values())
         assert secret not in " ".join([*cluster.command(), *cluster.node_env(0).values()])
         assert f"secret_file={secret_file}" in " ".join(cluster.command())
         (tmp_path / "finish").touch()
     logs = "".join(p.read_text() for p in (tmp_path / "logs").iterdir())
-    assert secret not in logs
+    assert secret not in logs and password not in logs
     assert not secret_file.exists(), "the secret goes with the run"
+
+
+@pytest.mark.parametrize(("backend", "conf"), [("etcd-v2", ""), ("etcd", "username=me")])
+def test_the_embedded_etcd_stays_open_where_the_agents_could_not_log_in(
+    backend: str, conf: str, tmp_path: Path
+) -> None:
+    # torch's v2 backend has no v3 credentials; a conf with a user of its own would
+    # log in as that user, whom the embedded etcd does not know.
+    server, login = start_embedded_etcd(backend=backend, rdzv_conf=conf, data_dir=tmp_path / "d")
+    try:
+        assert login == {}
+        assert _state_value(server.endpoint, "run", {}) is None  # read anonymously
+    finally:
+        server.stop()

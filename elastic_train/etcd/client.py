@@ -367,6 +367,24 @@ class EtcdClient:
             done.set()
             responses.cancel()
 
+    def enable_auth(self, *, root_password: str, user: str, password: str) -> None:
+        """Turn authentication on in an etcd that has none yet: ``root``, and ``user``
+        with readwrite on every key and no say over users or roles."""
+        role, readwrite = f"{user}-readwrite", etcdrpc.Permission.READWRITE
+        every_key = etcdrpc.Permission(permType=readwrite, key=b"\0", range_end=b"\0")
+        grant = etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=every_key)
+        requests = (
+            ("UserAdd", etcdrpc.AuthUserAddRequest(name="root", password=root_password)),
+            ("UserGrantRole", etcdrpc.AuthUserGrantRoleRequest(user="root", role="root")),
+            ("RoleAdd", etcdrpc.AuthRoleAddRequest(name=role)),
+            ("RoleGrantPermission", grant),
+            ("UserAdd", etcdrpc.AuthUserAddRequest(name=user, password=password)),
+            ("UserGrantRole", etcdrpc.AuthUserGrantRoleRequest(user=user, role=role)),
+            ("AuthEnable", etcdrpc.AuthEnableRequest()),
+        )
+        for method, request in requests:
+            self._call(lambda m, kw, f=method, r=request: getattr(m.auth, f)(r, **kw), op="auth")
+
     # -- plumbing -----------------------------------------------------------------------------
 
     def _call_kwargs(self, timeout: float) -> dict[str, Any]:
@@ -439,8 +457,11 @@ class EtcdClient:
             )
         if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
             return LeaseExpiredError(f"etcd at {member.name}: {details}")
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            return EtcdError(f"etcd at {member.name} needs authentication ({details})")
+        if code == grpc.StatusCode.UNAUTHENTICATED or "user name is empty" in details:
+            return EtcdError(
+                f"etcd at {member.name} needs authentication ({details}); "
+                "give its user in ETCD_USERNAME and ETCD_PASSWORD"
+            )
         return EtcdError(f"etcd at {member.name} failed the request: {code.name}: {details}")
 
 

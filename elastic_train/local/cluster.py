@@ -36,12 +36,9 @@ from elastic_train.local.agent_forks import (
     start_agent_forks,
 )
 from elastic_train.local.chaos import ChaosEvent, node_count, node_indexes, validate_schedule
+from elastic_train.local.embedded_etcd import start_embedded_etcd
 from elastic_train.local.gpus import GpuPlan, local_gpus, plan_gpus
-from elastic_train.local.rdzv_secret import (
-    planned_secret_file,
-    with_secret_file,
-    write_secret_file,
-)
+from elastic_train.local.rdzv_secret import planned_secret_file, with_secret_file, write_secret_file
 from elastic_train.log import get_logger
 from elastic_train.state.shm_names import remove_run_snapshots
 
@@ -168,6 +165,7 @@ class LocalCluster:
         self.run_id = f"local-{uuid.uuid4().hex[:12]}"
         self.nodes: dict[int, Node] = {}
         self.etcd: EtcdServer | None = None
+        self.etcd_login: dict[str, str] = {}  # the embedded etcd's user, for the agents
         self.endpoint = spec.rdzv_endpoint or ""
         #: the job secret this run makes, or None: the spec gives one, or the backend signs nothing
         self.secret_file, self._secret_source = planned_secret_file(
@@ -251,10 +249,12 @@ class LocalCluster:
         if self.spec.rdzv_backend == "c10d":
             # The first agent to bind the port hosts the TCPStore.
             return f"127.0.0.1:{free_port()}"
-        extra = ("--enable-v2",) if self.spec.rdzv_backend == "etcd-v2" else ()
-        self.etcd = EtcdServer(data_dir=self.run_dir / "etcd" / "data", extra_args=extra)
-        self.etcd.start()
-        log.info("local_etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.process.pid)  # type: ignore[union-attr]
+        self.etcd, self.etcd_login = start_embedded_etcd(
+            backend=self.spec.rdzv_backend, rdzv_conf=self.spec.rdzv_conf,
+            data_dir=self.run_dir / "etcd" / "data",
+        )  # fmt: skip
+        log.info("local_etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.process.pid,  # type: ignore[union-attr]
+                 authentication=bool(self.etcd_login))  # fmt: skip
         return self.etcd.endpoint
 
     def worker_args(self) -> list[str]:
@@ -326,7 +326,7 @@ class LocalCluster:
         return env
 
     def node_env(self, index: int) -> dict[str, str]:
-        env = self.shared_env() | {"ELASTIC_TRAIN_NODE": f"node{index}"}
+        env = self.shared_env() | {"ELASTIC_TRAIN_NODE": f"node{index}"} | self.etcd_login
         env |= self.gpus.env_for(index)
         env["ELASTIC_TRAIN_METRICS_PORT"] = str(self.metrics_port(index) or "off")
         env.setdefault("ELASTIC_TRAIN_METRICS_HOST", "127.0.0.1")
