@@ -122,6 +122,9 @@ def _check_etcd(job: SlurmJobFacts, other: SlurmJobFacts) -> None:
     listening = {c.laddr.ip for c in job.etcd.net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)}  # fmt: skip
     assert listening == {"127.0.0.2"}, f"etcd listens on {listening} port {port}"
+    # Random passwords: every login (each worker's again after a quiet spell, at a
+    # recovery) costs etcd about 1 ms at the lowest cost, 66 ms at the default.
+    assert "--bcrypt-cost=4" in job.etcd.cmdline()
     mine, theirs = f"/elastic-train/slurm-{job.job_id}/", f"/elastic-train/slurm-{other.job_id}/"
     no_cert = _etcdctl(job.endpoint, "get", mine, tls=job.tls, cert=False, refused=True)
     assert not no_cert.startswith("rc=0"), no_cert

@@ -11,7 +11,11 @@
 #     (deploy/etcd/create-rendezvous-user.sh);
 #   - the passwords and the job secret are 0600 files in the job directory,
 #     handed on in environment variables and files: never on a command line
-#     (which `ps` shows to every user) and never printed.
+#     (which `ps` shows to every user) and never printed;
+#   - the passwords are 256 random bits, so etcd hashes them at bcrypt's lowest
+#     cost (4): every worker logs in again at its first request after five
+#     quiet minutes (etcd's --auth-token-ttl), that is at a recovery, and at
+#     the default cost (10) each login costs etcd about 66 ms of CPU.
 #
 # The job directory ($ELASTIC_TRAIN_JOBS_DIR/slurm-$SLURM_JOB_ID, default
 # $HOME/.elastic-train/jobs/...) must be on a file system every node of the
@@ -110,6 +114,7 @@ et_start_etcd() {
             --initial-cluster="rendezvous=http://127.0.0.1:${peer_port}" \
             --client-cert-auth --trusted-ca-file="$tls/ca.crt" \
             --cert-file="$tls/server.crt" --key-file="$tls/server.key" \
+            --bcrypt-cost=4 \
             >"$etcd_dir/etcd.log" 2>&1 &
         etcd_pid=$!
         et_wait_for_etcd && break
