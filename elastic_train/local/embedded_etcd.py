@@ -21,7 +21,7 @@ from pathlib import Path
 
 from elastic_train.etcd.client import EtcdClient, EtcdClientConfig
 from elastic_train.etcd.server import EtcdServer
-from elastic_train.local.rdzv_secret import parse_rdzv_conf
+from elastic_train.local.rdzv_secret import SIGNING_BACKENDS, parse_rdzv_conf
 
 __all__ = ["AGENT_USER", "start_embedded_etcd"]
 
@@ -37,10 +37,10 @@ def start_embedded_etcd(
 ) -> tuple[EtcdServer, dict[str, str]]:
     """A started etcd for the run and the environment its agents log in with
     (``ETCD_USERNAME``, ``ETCD_PASSWORD``; empty where authentication stays off)."""
-    v2 = backend == "etcd-v2"
-    extra = ("--enable-v2",) if v2 else (f"--bcrypt-cost={BCRYPT_COST}",)
+    extra = ("--enable-v2",) if backend == "etcd-v2" else (f"--bcrypt-cost={BCRYPT_COST}",)
     server = EtcdServer(data_dir=data_dir, extra_args=extra).start()
-    if v2 or "username" in parse_rdzv_conf(rdzv_conf):
+    # Only our v3 backend logs in; a username of the conf's own is no user of this etcd.
+    if backend not in SIGNING_BACKENDS or "username" in parse_rdzv_conf(rdzv_conf):
         return server, {}
     password = secrets.token_hex(32)
     client = EtcdClient(EtcdClientConfig(endpoints=(server.endpoint,)))
