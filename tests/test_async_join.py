@@ -11,14 +11,16 @@ and end where a fault-free run does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 import torch.distributed as dist
 from chaos_runs import (
@@ -151,10 +153,13 @@ def test_rank0_admits_the_live_joiners_up_to_the_node_limit(
     extra = _member(access, "node4", lineage=head.lineage, joined=True)
     watch = JoinWatch(head)
     try:
-        for member in (live, gone, extra):
-            member.request_join()
-        gone.close()  # asked, then died before the group admitted it
-        poll_until(lambda: len(watch._requests) == 3, within=30, what="the three requests seen")
+        with seen_when_logged("inprocess_join_requested", watch.wanted) as votes:
+            for member in (live, gone, extra):
+                member.request_join()
+            gone.close()  # asked, then died before the group admitted it
+            poll_until(lambda: len(watch._requests) == 3, within=30, what="the three requests")
+        # Once the watch says a node asks, rank 0's next check votes for it.
+        assert votes and all(votes), votes
         assert watch.wanted()
         admitted = watch.admissible(probe_timeout=1.0)
         # node3 does not answer (its request is withdrawn); node4 is over --nnodes' 3.
@@ -244,6 +249,27 @@ def test_the_marker_tells_a_joiner_where_its_group_answers_now(
 # -- the next group, formed in the background (training/next_group.py) -------------------
 
 
+@contextlib.contextmanager
+def seen_when_logged(event: str, probe: Callable[[], object]) -> Iterator[list[object]]:
+    """What ``probe()`` returned at each ``event`` line, read in the logging thread
+    as the line is written. A test that acts on a line (the gates of
+    :func:`test_a_joiner_admitted_after_the_last_step_loads_the_members_final_state`)
+    relies on the state the line announces being readable by then."""
+    seen: list[object] = []
+
+    def look(_logger: object, _name: str, event_dict: dict) -> dict:
+        if event_dict.get("event") == event:
+            seen.append(probe())
+        return event_dict
+
+    processors = structlog.get_config()["processors"]
+    processors.insert(0, look)  # in place, as structlog.testing.capture_logs does
+    try:
+        yield seen
+    finally:
+        processors.remove(look)
+
+
 def _formations(group: tuple[Membership, Membership], joiners: list) -> list[Formation]:
     return [Formation(m, joiners, propose=m is group[0], timeout=20, op_timeout=20,
                       probe_timeout=1.0) for m in group]  # fmt: skip
@@ -256,12 +282,18 @@ def test_the_members_form_the_next_group_with_the_joiner_while_they_train(
     # The members' formations run in threads (their main threads would train);
     # the joiner forms its side as enter() does, on the generation that holds it.
     joiner.request_join()
-    formations = _formations(group, [joiner.me])
-    gen = joiner.await_admission(after=0, deadline=time.monotonic() + 30, head=lambda: True)
-    store = gen.store(joiner.endpoints, timeout=20, probe_timeout=1.0)
-    joined = next_group.form(store, gen, timeout=20)
-    joined.group.barrier().wait()
-    poll_until(lambda: all(f.ready for f in formations), within=30, what="both members formed")
+    formations: list[Formation] = []
+    ready = lambda: sum(f.ready for f in formations)  # noqa: E731
+    with seen_when_logged("inprocess_next_group_formed", ready) as seen:
+        formations.extend(_formations(group, [joiner.me]))
+        gen = joiner.await_admission(after=0, deadline=time.monotonic() + 30, head=lambda: True)
+        store = gen.store(joiner.endpoints, timeout=20, probe_timeout=1.0)
+        joined = next_group.form(store, gen, timeout=20)
+        joined.group.barrier().wait()
+        poll_until(lambda: ready() == 2, within=30, what="both members formed")
+    # The k-th member to say it formed the group is at least the k-th one ready: a
+    # check step after the line counts it (the gates of the join after the last step).
+    assert len(seen) == 2 and seen[0] >= 1 and seen[1] == 2, seen  # type: ignore[operator]
     taken = [f.take() for f in formations]
     assert [g.number for g, _, _ in taken] == [1, 1] and gen.number == 1
     assert [m.node for m in taken[0][0].members] == ["node0", "node1", "node2"]
@@ -281,9 +313,13 @@ def test_a_next_group_whose_joiner_died_fails_on_every_member_without_hanging(
     group: tuple[Membership, Membership], joiner: Membership
 ) -> None:
     joiner.request_join()
-    formations = _formations(group, [joiner.me])
-    joiner.close()  # admitted, then dead before it reached the new generation's store
-    poll_until(lambda: all(f.failed for f in formations), within=30, what="both formations end")
+    formations: list[Formation] = []
+    failed = lambda: sum(f.failed for f in formations)  # noqa: E731
+    with seen_when_logged("inprocess_next_group_failed", failed) as seen:
+        formations.extend(_formations(group, [joiner.me]))
+        joiner.close()  # admitted, then dead before it reached the new generation's store
+        poll_until(lambda: failed() == 2, within=30, what="both formations end")
+    assert len(seen) == 2 and seen[0] >= 1 and seen[1] == 2, seen  # type: ignore[operator]
     assert all(f.error and "node2" in f.error for f in formations), [f.error for f in formations]
     for formation in formations:
         formation.drop()

@@ -105,9 +105,10 @@ class JoinWatch:
             try:
                 requests, revision = self._membership.join_requests()
                 seen = {m.id for m in self._requests}
-                if new := [m.id for m in requests if m.id not in seen]:
+                new = [m.id for m in requests if m.id not in seen]
+                self._requests = requests  # before the line: who reads it sees the vote
+                if new:
                     log.info("inprocess_join_requested", joiners=new)
-                self._requests = requests
                 self._membership.watch_joins(start_revision=revision + 1, timeout=_WATCH_S)
             except Exception as exc:  # etcd's, or a client closed under the thread
                 if self._closed.is_set():

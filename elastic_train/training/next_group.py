@@ -184,16 +184,20 @@ class Formation:
             group.group.barrier().wait()  # pairs with the joiners' (inprocess.form_group)
             self.seconds = {"admission_s": round(admitted - started, 4),
                             "formation_s": round(time.perf_counter() - admitted, 4)}  # fmt: skip
-            log.info("inprocess_next_group_formed", generation=gen.number, **self.seconds)
         except Exception as exc:  # etcd's, torch's DistError, MemberLostError: all end the same
             self.error = f"{type(exc).__name__}: {exc}"
-            log.warning("inprocess_next_group_failed", error=self.error[:300])
             group, gen = None, None
         with self._lock:
             if not self._dropped:
                 self.gen, self.group = gen, group
+            number = gen.number if gen is not None else None
             del group
             self._done.set()
+        # After the verdict is readable: a check step that follows this line sees it.
+        if self.error is None:
+            log.info("inprocess_next_group_formed", generation=number, **self.seconds)
+        else:
+            log.warning("inprocess_next_group_failed", error=self.error[:300])
 
     @property
     def ready(self) -> bool:
