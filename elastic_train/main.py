@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.agent.verdict import report_config_error
+from elastic_train.agent.verdict import report_config_error, report_group_formed
 from elastic_train.config.args import CliArgs, help_text, parse_cli
 from elastic_train.config.job import JobConfig
 from elastic_train.config.load import to_toml
@@ -117,6 +117,8 @@ def train_worker(
         ticket = joining(cfg.elastic.recovery)  # a side round's worker: an async join
         ctx = init_distributed(env, cfg.elastic)
         trainer = build(cfg, ctx, prepared=prepared, joining=ticket is not None)
+        # Built: the group formed and has run its first collective (the wrapper's).
+        report_group_formed()
         return train(trainer)
     except (ConfigError, CheckpointMismatchError) as exc:
         log.error("config_error", error=str(exc))

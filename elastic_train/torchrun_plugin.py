@@ -11,7 +11,8 @@ joins them; nothing below this module knows the others:
 
 It also tells the workers how to reach the job's etcd and, at every round,
 where that round's store is (:func:`inprocess_etcd_env`, :func:`export_rounds`:
-``elastic.recovery = "inprocess"``), and gives a node entering a job whose
+``elastic.recovery = "inprocess"``), lets each round settle until the workers
+formed their group (:func:`settle_rounds`), and gives a node entering a job whose
 in-process group runs a side round of its own
 (:mod:`elastic_train.rendezvous.side_round`).
 
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch.distributed.elastic.rendezvous import (
         RendezvousHandler,
         RendezvousInfo,
@@ -48,6 +51,7 @@ __all__ = [
     "etcd_v3_handler_entry_point",
     "export_rounds",
     "inprocess_etcd_env",
+    "settle_rounds",
 ]
 
 NO_TAKEOVER_ENV = "ELASTIC_TRAIN_NO_ETCD_TAKEOVER"
@@ -102,11 +106,12 @@ def _start_agent(params: RendezvousParameters, zygote: ZygoteProcess | None) -> 
     settings = AgentSettings.from_params(params)
     handler = backend.create_handler(params, extra_keys=RDZV_CONF_KEYS)
     os.environ[INPROCESS_ETCD_ENV] = inprocess_etcd_env(params)
-    export_rounds(handler, params)
-    # Outermost: a side round is no round of the rendezvous, so it exports none.
-    side_round.attach_side_rounds(handler, max_nodes=params.max_nodes)
     agent = NodeAgent(settings, run_id=params.run_id, argv=sys.argv, zygote=zygote)
     agent.start(min_nodes=params.min_nodes, max_nodes=params.max_nodes)
+    export_rounds(handler, params)
+    settle_rounds(handler, agent.group_formed_file)
+    # Outermost: a side round is no round of the rendezvous, so it exports none.
+    side_round.attach_side_rounds(handler, max_nodes=params.max_nodes)
     if params.backend == "etcd":
         get_logger(__name__).info(
             "etcd_backend_takeover",
@@ -155,9 +160,28 @@ def export_rounds(handler: EtcdV3RendezvousHandler, params: RendezvousParameters
         os.environ[EXIT_BARRIER_ENV] = json.dumps({
             "store": f"{config.key_prefix}/{params.run_id}/store",  # backend.create_backend's
             # the PrefixStore torch's DynamicRendezvousHandler._wrap_store puts the round in
-            "round": f"torch.rendezvous.{handler.settings.run_id}.{handler._joined_round}",
+            "round": f"torch.rendezvous.{handler.settings.run_id}.{handler.joined_round}",
             "agents": info.world_size, "ttl": config.ttl,
         })  # fmt: skip
+        return info
+
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def settle_rounds(handler: EtcdV3RendezvousHandler, formed_file: Callable[[int], Path]) -> None:
+    """Let each round ``handler`` joins settle until the workers formed their group
+    (``rendezvous/settling.py``): at every round, the workers spawned next get
+    ``formed_file(round)`` in :data:`GROUP_FORMED_FILE_ENV` (``agent/verdict.py``) and
+    create it then; the round settles until the file exists."""
+    from elastic_train.agent.verdict import GROUP_FORMED_FILE_ENV
+
+    handler.settle_until(lambda round_: formed_file(round_).exists())
+    join = handler.next_rendezvous
+
+    def next_rendezvous() -> RendezvousInfo:
+        info = join()
+        assert handler.joined_round is not None
+        os.environ[GROUP_FORMED_FILE_ENV] = str(formed_file(handler.joined_round))
         return info
 
     handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]

@@ -53,6 +53,10 @@ all-reduce, until ``go-<step>`` exists. An async joiner
 and waits there until ``go-joiner`` exists (so it asks to join then), and at its
 exit (``log.on_exit_now``) saves its model's state to ``joiner-final.pt``.
 
+``model.options.die_before_group``: a marker path. The first worker of rank > 0
+of a first start to build its model writes the marker (the time, its node) and
+kills its node there, before its process group forms: once per run.
+
 The probe needs one backward per step (``training.micro_batch_size=0``).
 """
 
@@ -133,6 +137,8 @@ def probe_mlp(cfg: ModelConfig, info: Mapping[str, int]) -> nn.Module:
         else:
             stop = fault == "stop"
             model.register_state_dict_pre_hook(lambda *_: _die_if_sending_state(marker, stop=stop))
+    if cfg.options.get("die_before_group"):
+        _die_before_group(Path(str(cfg.options["die_before_group"])))
     params = [p for p in model.parameters() if p.requires_grad]
     seen, steps = [0], [0]
     hold_at, hold = int(cfg.options.get("hold_at_step", 0)), float(cfg.options.get("hold_s", 0))
@@ -205,6 +211,14 @@ def _die_if_sending_state(marker: Path, *, stop: bool) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
         return
     _kill_node()
+
+
+def _die_before_group(marker: Path) -> None:
+    """A worker of rank > 0 of the first start kills its node while it builds its model,
+    before its process group: once per run (``marker``)."""
+    first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_start and os.environ.get("RANK", "0") != "0" and _claim(marker):
+        _kill_node()
 
 
 def _kill_node() -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
+from elastic_train.etcd.server import EtcdServer
 from elastic_train.rendezvous import backend as rendezvous
 from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
 
@@ -90,3 +92,14 @@ def join_all(handlers: list[RendezvousHandler], *, within: float) -> list[tuple[
             raise result
     assert all(r is not None for r in results), f"no round within {within} s: {results}"
     return results  # type: ignore[return-value]
+
+
+def etcd_requests(server: EtcdServer) -> float:
+    """The gRPC messages ``server`` has received so far (its own metrics)."""
+    with urllib.request.urlopen(f"{server.client_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("grpc_server_msg_received_total")
+    )

@@ -1,4 +1,5 @@
-"""A worker's configuration error, told to its agent through a file (agent/verdict.py)."""
+"""A worker's words to its agent through files (agent/verdict.py): a configuration
+error, and that the round's process group formed."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from pathlib import Path
 
 from elastic_train.agent.verdict import (
     CONFIG_ERROR_FILE_ENV,
+    GROUP_FORMED_FILE_ENV,
     config_error_file,
+    group_formed_file,
     read_config_error,
     remove_stale_directories,
     report_config_error,
+    report_group_formed,
 )
 
 
@@ -59,13 +63,20 @@ def test_a_new_agent_removes_only_the_empty_directories_of_agents_that_are_gone(
     try:
         dead_empty = tmp_path / f"elastic_train-agent-{gone.pid}-abc"
         dead_reported = tmp_path / f"elastic_train-agent-{gone.pid}-def"
+        dead_formed = tmp_path / f"elastic_train-agent-{gone.pid}-jkl"
         alive_empty = tmp_path / f"elastic_train-agent-{running.pid}-ghi"
         old_format = tmp_path / "elastic_train-agent-0a1b2c3d"  # before pids were in names
-        for directory in (dead_empty, dead_reported, alive_empty, old_format):
+        for directory in (dead_empty, dead_reported, dead_formed, alive_empty, old_format):
             directory.mkdir()
         (dead_reported / "config_error").write_text("model.name = 'x': no such model")
+        for round_ in (0, 3):  # the words of rounds long over say nothing any more
+            report_group_formed(
+                {GROUP_FORMED_FILE_ENV: str(group_formed_file(dead_formed, round_))}
+            )
+        report_group_formed({GROUP_FORMED_FILE_ENV: str(group_formed_file(dead_reported, 1))})
+        assert len(list(dead_formed.iterdir())) == 2
         mine = config_error_file(tmp_path)
-        assert not dead_empty.exists()
+        assert not dead_empty.exists() and not dead_formed.exists()
         assert read_config_error(dead_reported / "config_error") == (
             "model.name = 'x': no such model"
         )  # a report is never removed
@@ -77,3 +88,13 @@ def test_a_new_agent_removes_only_the_empty_directories_of_agents_that_are_gone(
     finally:
         running.kill()
         running.wait()
+
+
+def test_a_worker_says_its_group_formed_in_the_rounds_own_file(tmp_path: Path) -> None:
+    first, second = group_formed_file(tmp_path, 1), group_formed_file(tmp_path, 2)
+    assert first != second and first.parent == tmp_path
+    report_group_formed({GROUP_FORMED_FILE_ENV: str(second)})
+    assert second.exists() and not first.exists()
+    report_group_formed({})  # no agent listens: nothing written, nothing raised
+    report_group_formed({GROUP_FORMED_FILE_ENV: str(tmp_path / "gone" / "x")})  # unwritable
+    assert sorted(p.name for p in tmp_path.iterdir()) == [second.name]

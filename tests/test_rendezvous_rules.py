@@ -12,7 +12,6 @@ import logging
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 import torch.distributed.elastic.events as torch_events
 import torch.distributed.elastic.events.handlers as torch_event_handlers
-from rendezvous_threads import join_all, make_handlers, poll_until
+from rendezvous_threads import etcd_requests, join_all, make_handlers, poll_until
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
@@ -180,16 +179,6 @@ def test_rendezvous_events_keep_the_names_torch_gives_them(
     assert {e["pid"] for e in events} == {only._this_node.pid}  # type: ignore[attr-defined]
 
 
-def _etcd_requests(server: EtcdServer) -> float:
-    with urllib.request.urlopen(f"{server.client_url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("grpc_server_msg_received_total")
-    )
-
-
 def test_idle_agents_send_etcd_nothing(tmp_path: Path) -> None:
     server = EtcdServer(data_dir=tmp_path / "data", name="idle").start()
     try:
@@ -198,14 +187,14 @@ def test_idle_agents_send_etcd_nothing(tmp_path: Path) -> None:
         key = f"/elastic_train/{handlers[0].get_run_id()}/state".encode()
         client = EtcdClient(EtcdClientConfig(endpoints=(server.endpoint,)))
         revision = client.get(key)[0].mod_revision  # type: ignore[union-attr]
-        before = _etcd_requests(server)
+        before = etcd_requests(server)
         # torchrun's monitor loop asks every 0.1 s; torch's handler would also
         # rewrite the state once per keep_alive_interval (1 s here).
         end = time.monotonic() + 3.5
         while time.monotonic() < end:
             assert [h.num_nodes_waiting() for h in handlers] == [0, 0]
             time.sleep(0.1)
-        requests = _etcd_requests(server) - before
+        requests = etcd_requests(server) - before
         assert client.get(key)[0].mod_revision == revision  # type: ignore[union-attr]
         assert requests <= 1, f"{requests} etcd requests from 2 idle agents in 3.5 s"
         client.close()

@@ -169,6 +169,12 @@ class NodeAgent:
         self._config_error_file = verdict.config_error_file()
         os.environ[verdict.CONFIG_ERROR_FILE_ENV] = str(self._config_error_file)
 
+    def group_formed_file(self, round_: int) -> Path:
+        """The file this agent's workers of rendezvous round ``round_`` create once their
+        process group formed (:mod:`.verdict`); after :meth:`start`."""
+        assert self._config_error_file is not None
+        return verdict.group_formed_file(self._config_error_file.parent, round_)
+
     def _exit_on_config_error(self) -> None:
         """Before a restart: a worker's configuration error ends this agent instead."""
         if self._config_error_file is None:

@@ -1,4 +1,5 @@
-"""A worker's word to its torchrun agent that a restart cannot help.
+"""A worker's words to its torchrun agent: that a restart cannot help, and that
+its process group has formed.
 
 torchrun restarts failed workers up to ``--max-restarts`` times, whatever
 they died of. A configuration error found only once the worker builds (a
@@ -14,6 +15,15 @@ code instead of restarting.
 Without the variable (a plain ``torchrun`` of another launcher, ``spawn``)
 nothing is written and nothing changes. A file that cannot be written costs
 only the old behaviour (the restarts).
+
+The second word, in the same directory: at each rendezvous round the agent
+exports :data:`GROUP_FORMED_FILE_ENV`, the round's own path there
+(:func:`group_formed_file`), and a worker creates that file once it has built
+its training wrapper in the round's process group
+(:func:`report_group_formed`). Until then the agent's round settles
+(``elastic_train/rendezvous/settling.py``): a peer node that dies meanwhile
+ends the round, instead of leaving the workers waiting for it at their store.
+A file that cannot be written costs only that, up to the settling limit.
 
 The directory is named after the agent's pid (:func:`config_error_file`). An
 agent removes its own at exit; one that was SIGKILLed cannot, so each new
@@ -40,16 +50,22 @@ from elastic_train.log import get_logger
 
 __all__ = [
     "CONFIG_ERROR_FILE_ENV",
+    "GROUP_FORMED_FILE_ENV",
     "config_error_file",
+    "group_formed_file",
     "read_config_error",
     "remove_stale_directories",
     "report_config_error",
+    "report_group_formed",
 ]
 
 log = get_logger(__name__)
 
 #: the file a worker writes its configuration error to, set by the node agent
 CONFIG_ERROR_FILE_ENV = "ELASTIC_TRAIN_CONFIG_ERROR_FILE"
+#: the file a worker creates once its process group formed, set by the agent per round
+GROUP_FORMED_FILE_ENV = "ELASTIC_TRAIN_GROUP_FORMED_FILE"
+_FORMED_PREFIX = "group-formed-"
 #: at most this much of a message is kept
 _MAX_CHARS = 4000
 #: ``<prefix><agent pid>-<random>``
@@ -68,13 +84,34 @@ def config_error_file(parent: Path | None = None) -> Path:
 
 
 def remove_stale_directories(parent: Path) -> None:
-    """Remove the empty directories under ``parent`` of agents whose process is gone."""
+    """Remove the directories under ``parent`` of agents whose process is gone, unless
+    they hold a configuration error (the rounds' group-formed files say nothing then)."""
     for directory in parent.glob(f"{_PREFIX}*-*"):
         pid = directory.name[len(_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or psutil.pid_exists(int(pid)):
             continue
+        with contextlib.suppress(OSError):  # not ours, or removed meanwhile
+            for formed in directory.glob(f"{_FORMED_PREFIX}*"):
+                formed.unlink()
         with contextlib.suppress(OSError):  # not empty, not ours, or removed meanwhile
             directory.rmdir()
+
+
+def group_formed_file(directory: Path, round_: int) -> Path:
+    """The file of ``round_`` that the agent's workers create once their group formed,
+    in the agent's directory (the one :func:`config_error_file` made)."""
+    return directory / f"{_FORMED_PREFIX}{round_}"
+
+
+def report_group_formed(environ: Mapping[str, str] = os.environ) -> None:
+    """Tell this worker's agent, if it listens, that the round's process group formed."""
+    path = environ.get(GROUP_FORMED_FILE_ENV)
+    if not path:
+        return
+    try:
+        Path(path).touch()
+    except OSError as exc:  # the agent's round settles until its limit
+        log.warning("group_formed_not_reported", path=path, error=str(exc))
 
 
 def report_config_error(message: str, environ: Mapping[str, str] = os.environ) -> None:

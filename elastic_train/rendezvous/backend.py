@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from torch.distributed import Store
@@ -36,6 +37,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     RendezvousTimeout,
     _NodeDesc,
+    _RendezvousState,
 )
 
 from elastic_train.errors import EtcdError, EtcdUnavailableError
@@ -44,6 +46,7 @@ from elastic_train.etcd.group_marker import ActiveGroup, alive_group
 from elastic_train.etcd.store import EtcdV3Store
 from elastic_train.log import configure_logging_if_unconfigured, get_logger, register_secret
 from elastic_train.rendezvous.config import RendezvousConfig, parse_config, value_codec
+from elastic_train.rendezvous.events import record_event
 from elastic_train.rendezvous.joins import BatchFold, JoinFolder, JoinKeys, JoinRequester
 from elastic_train.rendezvous.keys import EtcdV3RendezvousBackend
 from elastic_train.rendezvous.liveness import node_name
@@ -51,9 +54,9 @@ from elastic_train.rendezvous.rules import (
     FastOpExecutor,
     WatchedStateHolder,
     keep_alive_while_awaited,
-    record_event,
     round_ended,
 )
+from elastic_train.rendezvous.settling import Settling
 
 __all__ = [
     "EtcdV3RendezvousHandler",
@@ -107,8 +110,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     - A participant leaving a completed round ends it, so survivors of a failure
       re-form at once; :meth:`num_nodes_waiting` reports the end of this node's
       round, so that an agent whose workers still run restarts them too.
-    - Heartbeats while training runs only when a node waits: an idle agent
-      sends etcd nothing (see ``elastic_train.rendezvous.rules``, rule 2).
+    - Heartbeats while training runs only when a node waits, or while a round
+      settles (:meth:`settle_until`): an idle agent sends etcd nothing (see
+      ``elastic_train.rendezvous.rules``, rule 2).
     - A rendezvous retries connection failures until ``join_timeout``; an etcd
       outage while training runs is logged and otherwise ignored, because the
       agent polls :meth:`num_nodes_waiting` and would stop the job on an error.
@@ -149,6 +153,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._watched_holder = state_holder
         self._joined_round: int | None = None
         self._reported_end: int | None = None
+        self._settling: Settling | None = None
 
     def _record(
         self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None
@@ -218,15 +223,36 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             except RendezvousError as exc:  # the fold drops it as stale rounds later
                 log.warning("rendezvous_join_request_left", error=str(exc))
 
+    @property
+    def joined_round(self) -> int | None:
+        """The round this node's last ``next_rendezvous`` joined (None before the first)."""
+        return self._joined_round
+
+    def settle_until(self, formed: Callable[[int], bool]) -> None:
+        """Let every round this node joins settle (:mod:`.settling`, rule 2) until
+        ``formed(round)`` says this node's workers formed their process group."""
+        interval = self._settings.keep_alive_interval.total_seconds()
+        self._settling = Settling(formed, grace=interval * self._settings.keep_alive_max_attempt)
+        self._watched_holder.settling = functools.partial(self._settles, judging=True)
+
+    def _settles(self, state: _RendezvousState, *, judging: bool) -> bool:
+        """Whether ``state``'s round settles for this node: it judges the participants
+        (``judging``), or it beats."""
+        settling = self._settling
+        if settling is None or not state.complete or self._this_node not in state.participants:
+            return False
+        return settling.judging(state.round) if judging else settling.beating(state.round)
+
     def _keep_alive(self) -> None:
         """torch's heartbeat timer calls this every ``keep_alive_interval``; rule 2 decides."""
         with self._heartbeat_lock:
             deadline = self._get_deadline(self._settings.timeout.heartbeat)
             try:
-                beat_due = self._state_holder.beat_due
-                self._op_executor.run(
-                    functools.partial(keep_alive_while_awaited, beat_due=beat_due), deadline
-                )
+                keep_alive = functools.partial(
+                    keep_alive_while_awaited, beat_due=self._state_holder.beat_due,
+                    settling=functools.partial(self._settles, judging=False),
+                )  # fmt: skip
+                self._op_executor.run(keep_alive, deadline)
             except RendezvousError as exc:
                 log.warning("rendezvous_heartbeat_failed", error=str(exc))
 
@@ -280,6 +306,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             log.warning("rendezvous_etcd_unreachable", run_id=self.settings.run_id, error=str(exc))
             return 0
         state = self._state_holder.state
+        self._settles(state, judging=True)  # sees the workers' word within a monitor tick
         if not round_ended(state, self._this_node, self._joined_round):
             return len(state.wait_list)
         if self._reported_end != self._joined_round:

@@ -15,16 +15,23 @@ The rules here:
    at once, without waiting for the dead node's heartbeat to expire. Agents whose
    workers have not failed yet see that their round ended
    (:func:`round_ended`) and restart, as for a joining node.
-2. **Participants of a completed round heartbeat only while a node waits**
-   (:func:`keep_alive_while_awaited`, :class:`WatchedStateHolder`). While
-   training runs and nobody waits, agents stay silent and nobody is pruned:
-   rule 1 ends the round of a dead participant as soon as a survivor restarts.
-   When a node starts waiting (to join, or as a spare), the participants'
-   clocks start; live participants then heartbeat every
-   ``keep_alive_interval``, and dead ones are pruned after
+2. **Participants of a completed round heartbeat only while a node waits, or
+   while the round settles** (:func:`keep_alive_while_awaited`,
+   :class:`WatchedStateHolder`). While training runs and nobody waits, agents
+   stay silent and nobody is pruned: rule 1 ends the round of a dead
+   participant as soon as a survivor restarts. When a node starts waiting (to
+   join, or as a spare), the participants' clocks start; live participants then
+   heartbeat every ``keep_alive_interval``, and dead ones are pruned after
    ``keep_alive_interval x keep_alive_max_attempt`` as in torch. That is what
    lets a job whose nodes all died (no survivor to apply rule 1) restart.
    Waiting nodes and nodes joining an incomplete round heartbeat as in torch.
+   A round *settles* from its completion until the agent's workers have formed
+   their process group (:mod:`elastic_train.rendezvous.settling`): a node that
+   dies then has no worker in a group for the survivors' collectives to fail
+   on, so the survivors' workers would wait for it until their store timed
+   out. Its participants' clocks run and its agents beat meanwhile, and **a
+   participant pruned from a completed round ends the round** for everyone, as
+   in rule 1: the survivors restart without it.
 3. **A heartbeat is a put of the node's own key, not a write of the state**
    (:meth:`WatchedStateHolder.beat`). torch rewrites the one shared state for
    every heartbeat, by compare-and-swap, so K joining agents spend K writes a
@@ -46,20 +53,20 @@ batch (:meth:`FastOpExecutor._by_folder`).
 And two mechanical changes: instead of sleeping 1 s whenever it has to wait,
 the join loop wakes on the next change of the state key (the backend watches
 it) or at the moment the last call ends; and torch's rendezvous events are
-named without ``inspect.stack()`` (:func:`record_event`).
+named without ``inspect.stack()``
+(:func:`~elastic_train.rendezvous.events.record_event`).
 """
 
 from __future__ import annotations
 
 import math
 import random
-import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
-from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
+from torch.distributed.elastic.events import NodeState
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousTimeoutError,
@@ -78,6 +85,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_train.log import get_logger
+from elastic_train.rendezvous.events import record_event
 from elastic_train.rendezvous.joins import JOIN_ACTIONS, JoinRequester
 from elastic_train.rendezvous.liveness import (
     BEAT_BUDGET,
@@ -92,8 +100,8 @@ __all__ = [
     "FastOpExecutor",
     "WatchedStateHolder",
     "awaited",
+    "end_round",
     "keep_alive_while_awaited",
-    "record_event",
     "round_ended",
 ]
 
@@ -121,35 +129,6 @@ class ChangeWaiter(Protocol):
         """Block until the state changed since it was last read, or ``timeout`` passed."""
 
 
-def record_event(
-    owner: object,
-    *,
-    run_id: str,
-    message: str,
-    node_state: NodeState,
-    node: _NodeDesc | None = None,
-    rank: int | None = None,
-) -> None:
-    """torch's rendezvous event, named after the method that called ``owner._record``.
-
-    torch names it with ``inspect.stack()``, twice, even when nothing records
-    events (the default): that reads the source of every frame, milliseconds per
-    action, and the join spends them between reading the state and writing it
-    back, which widens the window in which other writers make it lose.
-    """
-    caller = sys._getframe(2).f_code.co_name
-    construct_and_record_rdzv_event(
-        name=f"{type(owner).__name__}.{caller}",
-        run_id=run_id,
-        message=message,
-        node_state=node_state,
-        hostname=node.addr if node else "",
-        pid=node.pid if node else None,
-        local_id=node.local_id if node else None,
-        rank=rank,
-    )
-
-
 def round_ended(state: _RendezvousState, node: _NodeDesc, joined_round: int | None) -> bool:
     """Whether the round ``node`` joined (``joined_round``) has ended under rule 1."""
     if joined_round is None:
@@ -163,15 +142,22 @@ def awaited(state: _RendezvousState) -> bool:
 
 
 def keep_alive_while_awaited(
-    ctx: _RendezvousContext, deadline: float, *, beat_due: Callable[[_NodeDesc], bool]
+    ctx: _RendezvousContext,
+    deadline: float,
+    *,
+    beat_due: Callable[[_NodeDesc], bool],
+    settling: Callable[[_RendezvousState], bool] = lambda state: False,
 ) -> _Action:
     """The background heartbeat of a participant of a completed round (rule 2).
 
     ``beat_due`` judges on this agent's own clock: the state's timestamp of this
     node may have been written by the join folder, with another host's clock.
+    ``settling``: whether the round still settles for this agent.
     """
     state = ctx.state
-    if not (state.complete and ctx.node in state.participants and awaited(state)):
+    if not (state.complete and ctx.node in state.participants):
+        return _Action.FINISH
+    if not (awaited(state) or settling(state)):
         return _Action.FINISH
     if not beat_due(ctx.node):
         return _Action.FINISH
@@ -198,6 +184,12 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
         # read prunes it again: log it once per round.
         self._reported_dead: set[_NodeDesc] = set()
         self._reported_round = -1
+        #: Whether a completed round still settles for this agent (rule 2); set by the handler.
+        self.settling: Callable[[_RendezvousState], bool] = lambda state: False
+
+    def _idle(self, state: _RendezvousState) -> bool:
+        """Rule 2: a completed round that nobody waits for and that has settled."""
+        return state.complete and not awaited(state) and not self.settling(state)
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         record_event(self, run_id=self._settings.run_id, message=message, node_state=node_state)
@@ -210,8 +202,7 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
     def prune(self, state: _RendezvousState) -> bool:
         """Remove from ``state`` (read by the join folder) the nodes this agent judges dead;
         whether there were any."""
-        idle = state.complete and not awaited(state)
-        dead = self._liveness.dead(state, idle=idle)
+        dead = self._liveness.dead(state, idle=self._idle(state))
         _remove_nodes(state, dead, self._settings)
         return bool(dead)
 
@@ -258,17 +249,18 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
             self._liveness.observe(state)
             self._dead_nodes = []
             return
-        idle = state.complete and not awaited(state)
-        self._dead_nodes = self._liveness.dead(state, idle=idle)
+        self._dead_nodes = self._liveness.dead(state, idle=self._idle(state))
         if state.round != self._reported_round:
             self._reported_round, self._reported_dead = state.round, set()
         fresh = sorted(node_name(node) for node in set(self._dead_nodes) - self._reported_dead)
         if fresh:
             # One line per sync, not per node: at K = 512 every agent logging each
             # pruned node was 37 000 lines a round and most of the simulator's CPU.
+            ends = state.complete and any(node in state.participants for node in self._dead_nodes)
             log.info(
-                "rendezvous_nodes_pruned", count=len(fresh), nodes=fresh[:8], round=state.round
-            )
+                "rendezvous_nodes_pruned", count=len(fresh), nodes=fresh[:8], round=state.round,
+                round_ended=ends,  # rule 2: a participant of a completed round
+            )  # fmt: skip
         self._reported_dead |= set(self._dead_nodes)
         _remove_nodes(state, self._dead_nodes, self._settings)
 
@@ -276,15 +268,33 @@ class WatchedStateHolder(_BackendRendezvousStateHolder):
 def _remove_nodes(
     state: _RendezvousState, nodes: list[_NodeDesc], settings: RendezvousSettings
 ) -> None:
-    """torch's sanitizer: drop ``nodes`` from every list of ``state``."""
-    removed = False
+    """torch's sanitizer: drop ``nodes`` from every list of ``state``; a participant
+    dropped from a completed round ends it (rule 2)."""
+    removed = []
     for node in nodes:
         state.last_heartbeats.pop(node, None)
-        removed = state.participants.pop(node, None) is not None or removed
+        if state.participants.pop(node, None) is not None:
+            removed.append(node)
         state.wait_list.discard(node)
         state.redundancy_list.discard(node)
-    if removed:
+    if removed and state.complete and state.participants:
+        end_round(state)
+    elif removed:
         _remove_participant_epilogue(state, settings)
+
+
+def end_round(state: _RendezvousState) -> None:
+    """End the completed round of ``state`` for its remaining participants (rules 1
+    and 2): they see it ended (:func:`round_ended`) and join the next one."""
+    # The others are in no list now, so their heartbeats are no one's concern
+    # until they join again (with a fresh one): left in, K stale entries made
+    # every agent judge, and prune, every other one while the next round formed.
+    for node in state.participants:
+        state.last_heartbeats.pop(node, None)
+    state.participants.clear()
+    state.complete = False
+    state.deadline = None
+    state.round += 1
 
 
 class FastOpExecutor(_DistributedRendezvousOpExecutor):
@@ -459,17 +469,7 @@ class FastOpExecutor(_DistributedRendezvousOpExecutor):
             return
         # Rule 1: the round is over for everyone; the others join the next one.
         log.info(
-            "rendezvous_round_ended",
-            round=state.round,
-            left=node_name(self._node),
+            "rendezvous_round_ended", round=state.round, left=node_name(self._node),
             others=len(state.participants) - 1,
-        )
-        # The others are in no list now, so their heartbeats are no one's concern
-        # until they join again (with a fresh one): left in, K stale entries made
-        # every agent judge, and prune, every other one while the next round formed.
-        for node in state.participants:
-            state.last_heartbeats.pop(node, None)
-        state.participants.clear()
-        state.complete = False
-        state.deadline = None
-        state.round += 1
+        )  # fmt: skip
+        end_round(state)
