@@ -30,6 +30,7 @@ FAULT_KINDS = (
     ("SIGKILL of the node running rank 0", "recovery_rank0"),
     ("SIGTERM preemption of a node", "preemption"),
     ("a 4th node joins 3 (survivors' stall)", "scaleup"),
+    ("SIGKILL of a node before its first group", "startup_fault"),
 )
 #: the issue's comparison: ours against tuned torchrun c10d
 FAULT_KIND_COMPETITORS = ("ours", "c10d-tuned")

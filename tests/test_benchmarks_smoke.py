@@ -25,6 +25,7 @@ from benchmarks import (
     rendezvous_scale,
     report,
     scaleup,
+    startup_fault,
     workloads,
 )
 from benchmarks import throughput as throughput_bench
@@ -114,6 +115,16 @@ def test_preemption_smoke_plain_c10d(tmp_path: Path) -> None:
     check_event(single, kind="term", world_after=1, timeout=60)
     # the plain script saves every 25 steps: a restart before that resumes from scratch
     assert single["restored_step"] % 25 == 0
+
+
+def test_startup_fault_smoke_ours(tmp_path: Path) -> None:
+    result = run(startup_fault, tmp_path, "--competitors=ours")
+    single = only_run(result, "ours")
+    # the node died before the group: no step at two, and none lost
+    assert not single["group_formed_before_kill"] and single["lost_steps"] == 0, single
+    assert single["world_size_after"] == 1 and single["restore_source"] == "none"
+    # the survivor did not wait out its store (either a prune, or it lost the store's host)
+    assert 0 < single["seconds"] < startup_fault.STORE_TIMEOUT_S / 2, single
 
 
 def test_scaleup_smoke_ours(tmp_path: Path) -> None:
