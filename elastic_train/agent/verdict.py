@@ -27,11 +27,12 @@ A file that cannot be written costs only that, up to the settling limit.
 
 The directory is named after the agent's pid (:func:`config_error_file`). An
 agent removes its own at exit; one that was SIGKILLed cannot, so each new
-agent first removes the empty directories of agents that are gone. Only
-empty ones: ``rmdir`` fails on a directory that holds a report, so none is
-lost. (Agents in different pid namespaces that share one ``/tmp`` may take
-each other's for gone; the removed directory then costs its agent only the
-report, i.e. the restarts.)
+agent first removes the directories of agents that are gone: their
+group-formed files (which say nothing once their agent is gone), then the
+directory if it is empty. ``rmdir`` fails on a directory that holds a
+report, so none is lost. (Agents in different pid namespaces that share one
+``/tmp`` may take each other's for gone; that costs the other agent the
+report, i.e. the restarts, or a round's settling until its limit.)
 """
 
 from __future__ import annotations
