@@ -56,6 +56,11 @@ def stop_handlers() -> None:
     assert not beating, f"heartbeat threads still running after the test: {beating}"
 
 
+def kill(handler: RendezvousHandler) -> None:
+    """What SIGKILL does to an agent's handler: its heartbeat timer stops for good."""
+    handler._stop_heartbeats()  # type: ignore[attr-defined]
+
+
 def poll_until(
     condition: Callable[[], bool], *, within: float, what: str, every: float = 0.02
 ) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch.distributed.elastic.events as torch_events
 import torch.distributed.elastic.events.handlers as torch_event_handlers
-from rendezvous_threads import etcd_requests, join_all, make_handlers, poll_until
+from rendezvous_threads import etcd_requests, join_all, kill, make_handlers, poll_until
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
@@ -79,17 +79,12 @@ def _state(handler: RendezvousHandler) -> Any:
     return handler._state_holder.state  # type: ignore[attr-defined]
 
 
-def _kill(handler: RendezvousHandler) -> None:
-    """What SIGKILL does to an agent's handler: its heartbeat timer stops for good."""
-    handler._stop_heartbeats()  # type: ignore[attr-defined]
-
-
 def test_a_job_whose_nodes_all_died_restarts(etcd_endpoint: str) -> None:
     # No survivor is left to end the round (rule 1); the newcomer, waiting,
     # makes the silent participant prove it is alive, and prunes it.
     old, new = _handlers(etcd_endpoint, 2, min_nodes=1, keep_alive_interval=1)
     join_all([old], within=30)
-    _kill(old)
+    kill(old)
     assert join_all([new], within=20) == [(0, 1)]
 
 

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rendezvous_threads import etcd_requests, join_all, make_handlers, poll_until
-from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+from rendezvous_threads import etcd_requests, join_all, kill, make_handlers, poll_until
 
 from elastic_train.etcd.server import EtcdServer
 from elastic_train.rendezvous.backend import EtcdV3RendezvousHandler
@@ -37,18 +36,13 @@ def _settling(endpoint: str, count: int, formed: list[bool]) -> list[EtcdV3Rende
     return handlers
 
 
-def _kill(handler: RendezvousHandler) -> None:
-    """What SIGKILL does to an agent's handler: its heartbeat timer stops for good."""
-    handler._stop_heartbeats()  # type: ignore[attr-defined]
-
-
 def test_a_node_dead_before_the_group_formed_ends_the_round_for_the_others(
     etcd_endpoint: str,
 ) -> None:
     a, b, dead = _settling(etcd_endpoint, 3, formed=[False] * 3)
     assert sorted(join_all([a, b, dead], within=30)) == [(0, 3), (1, 3), (2, 3)]
     killed = time.monotonic()
-    _kill(dead)  # its workers never reach the group; the others' wait at the store
+    kill(dead)  # its workers never reach the group; the others' wait at the store
     poll_until(
         lambda: a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1,
         within=EXPIRY_S + 7, what="the survivors see their round end",
@@ -72,7 +66,7 @@ def test_a_settled_round_is_idle_again(tmp_path: Path) -> None:
             lambda: not any(h._settles(h._state_holder.state, judging=False) for h in handlers),
             within=EXPIRY_S + 5, what="both rounds settled",
         )  # fmt: skip
-        _kill(handlers[1])
+        kill(handlers[1])
         before = etcd_requests(server)
         end = time.monotonic() + EXPIRY_S + 2
         while time.monotonic() < end:
